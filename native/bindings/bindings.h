@@ -1,0 +1,10 @@
+// The pybind11 module is assembled from one bind_<domain>() per file; this is the only
+// place pybind11 code lives.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace pyfast_py {
+void bind_core(pybind11::module_& m);   // dtypes, cpu features / isa, buffers
+void bind_graph(pybind11::module_& m);  // Graph, Tensor handles, Plan
+void bind_gguf(pybind11::module_& m);   // GGUFFile reader
+}  // namespace pyfast_py

@@ -1,0 +1,370 @@
+// Op constructors: each records one node after validating its arguments. Nothing is computed
+// here; errors are std::invalid_argument("[op] ...") so Python sees a ValueError naming the op.
+#include "pyfast/graph.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+namespace pyfast {
+
+namespace {
+
+[[noreturn]] void fail(const char* op, const std::string& msg) {
+  throw std::invalid_argument(std::string("[") + op + "] " + msg);
+}
+
+std::string dims_str(const std::vector<int64_t>& d) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < d.size(); ++i) os << (i ? ", " : "") << d[i];
+  os << "]";
+  return os.str();
+}
+
+void need_dtype(const char* op, const Node& n, DType t, const char* what) {
+  if (n.dtype != t)
+    fail(op, std::string(what) + " must be " + dtype_name(t) + ", got " + dtype_name(n.dtype));
+}
+
+void need_inner_contiguous(const char* op, const Node& n, const char* what) {
+  if (dtype_block_size(n.dtype) == 1 && n.shape.dims[n.shape.ndim - 1] > 1 &&
+      n.shape.strides[n.shape.ndim - 1] != (int64_t)dtype_type_size(n.dtype))
+    fail(op, std::string(what) + " must be contiguous in its innermost dim");
+}
+
+std::vector<int64_t> dims_of(const Node& n) {
+  return std::vector<int64_t>(n.shape.dims.begin(), n.shape.dims.begin() + n.shape.ndim);
+}
+
+// b broadcasts to a: right-aligned, each of b's dims equals a's or is 1.
+bool broadcastable(const Shape& b, const Shape& a) {
+  if (b.ndim > a.ndim) return false;
+  for (int i = 0; i < b.ndim; ++i) {
+    const int64_t db = b.dims[b.ndim - 1 - i], da = a.dims[a.ndim - 1 - i];
+    if (db != da && db != 1) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+const Node& Graph::at(int id) const {
+  if (id < 0 || id >= (int)nodes_.size()) throw std::invalid_argument("invalid tensor id " + std::to_string(id));
+  return nodes_[id];
+}
+Node& Graph::at(int id) {
+  if (id < 0 || id >= (int)nodes_.size()) throw std::invalid_argument("invalid tensor id " + std::to_string(id));
+  return nodes_[id];
+}
+
+int Graph::push(Node n) {
+  n.id = (int)nodes_.size();
+  nodes_.push_back(std::move(n));
+  return nodes_.back().id;
+}
+
+static Node make_node(Op op, DType t, const Shape& s, std::initializer_list<int> srcs) {
+  Node n;
+  n.op = op;
+  n.kind = NodeKind::computed;
+  n.dtype = t;
+  n.shape = s;
+  for (int id : srcs) n.src[n.n_src++] = id;
+  return n;
+}
+
+static Shape shape_or_fail(const char* op, DType t, const std::vector<int64_t>& dims) {
+  try {
+    return make_shape(t, dims);
+  } catch (const std::invalid_argument& e) {
+    fail(op, std::string(e.what()) + " (shape " + dims_str(dims) + ")");
+  }
+}
+
+int Graph::input(const std::string& name, DType t, const std::vector<int64_t>& dims) {
+  if (!dtype_info(t).supported) fail("input", std::string("unsupported dtype ") + dtype_name(t));
+  for (auto& kv : inputs_)
+    if (kv.first == name) fail("input", "duplicate input name '" + name + "'");
+  Node n = make_node(Op::none, t, shape_or_fail("input", t, dims), {});
+  n.kind = NodeKind::input;
+  n.name = name;
+  int id = push(std::move(n));
+  inputs_.emplace_back(name, id);
+  return id;
+}
+
+int Graph::external(const std::string& name, DType t, const std::vector<int64_t>& dims, void* data,
+                    const std::vector<int64_t>& strides) {
+  if (!data) fail("external", "null data for '" + name + "'");
+  Node n = make_node(Op::none, t, shape_or_fail("external", t, dims), {});
+  if (!strides.empty()) {
+    if ((int)strides.size() != n.shape.ndim) fail("external", "strides must match the number of dims");
+    for (int i = 0; i < n.shape.ndim; ++i) n.shape.strides[i] = strides[i];
+  }
+  n.kind = NodeKind::external;
+  n.name = name;
+  n.data = static_cast<uint8_t*>(data);
+  return push(std::move(n));
+}
+
+void Graph::mark_output(int id, const std::string& name) {
+  at(id);
+  for (auto& kv : outputs_)
+    if (kv.first == name) fail("output", "duplicate output name '" + name + "'");
+  outputs_.emplace_back(name, id);
+}
+
+int Graph::get_rows(int table, int ids) {
+  const Node& t = at(table);
+  const Node& i = at(ids);
+  if (t.shape.ndim < 2) fail("get_rows", "table must have at least 2 dims, got " + t.shape.str());
+  if (!dtype_info(t.dtype).supported || t.dtype == DType::I32) fail("get_rows", std::string("unsupported table dtype ") + dtype_name(t.dtype));
+  need_dtype("get_rows", i, DType::I32, "ids");
+  if (i.shape.ndim != 1) fail("get_rows", "ids must be 1-D, got " + i.shape.str());
+  need_inner_contiguous("get_rows", t, "table");
+  std::vector<int64_t> d = dims_of(t);
+  d[0] = i.shape.dims[0];
+  return push(make_node(Op::get_rows, DType::F32, make_shape(DType::F32, d), {table, ids}));
+}
+
+int Graph::matmul(int x, int w) {
+  const Node& a = at(x);
+  const Node& b = at(w);
+  need_dtype("matmul", a, DType::F32, "x");
+  need_inner_contiguous("matmul", a, "x");
+  if (b.shape.ndim != 2) fail("matmul", "w must be 2-D [N, K], got " + b.shape.str());
+  switch (b.dtype) {
+    case DType::F32: case DType::F16: case DType::BF16:
+    case DType::Q8_0: case DType::Q4_0: case DType::Q4_1: break;
+    default: fail("matmul", std::string("unsupported weight dtype ") + dtype_name(b.dtype));
+  }
+  need_inner_contiguous("matmul", b, "w");
+  const int64_t K = a.shape.dims[a.shape.ndim - 1];
+  if (b.shape.dims[1] != K)
+    fail("matmul", "inner dims differ: x " + a.shape.str() + " vs w " + b.shape.str());
+  if (dtype_is_quantized(b.dtype) && K % dtype_block_size(b.dtype) != 0)
+    fail("matmul", "K must be a multiple of the weight block size");
+  std::vector<int64_t> d = dims_of(a);
+  d.back() = b.shape.dims[0];
+  return push(make_node(Op::matmul, DType::F32, make_shape(DType::F32, d), {x, w}));
+}
+
+static void check_binary(Graph& g, const char* name, int a, int b) {
+  const Node& x = g.at(a);
+  const Node& y = g.at(b);
+  need_dtype(name, x, DType::F32, "a");
+  need_dtype(name, y, DType::F32, "b");
+  if (!broadcastable(y.shape, x.shape))
+    fail(name, "b " + y.shape.str() + " does not broadcast to a " + x.shape.str());
+}
+
+int Graph::add(int a, int b) {
+  check_binary(*this, "add", a, b);
+  return push(make_node(Op::add, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a, b}));
+}
+
+int Graph::mul(int a, int b) {
+  check_binary(*this, "mul", a, b);
+  return push(make_node(Op::mul, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a, b}));
+}
+
+int Graph::scale(int a, float s) {
+  need_dtype("scale", at(a), DType::F32, "a");
+  Node n = make_node(Op::scale, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a});
+  n.params.f[0] = s;
+  return push(std::move(n));
+}
+
+int Graph::rms_norm(int a, float eps) {
+  need_dtype("rms_norm", at(a), DType::F32, "a");
+  if (!(eps >= 0.0f)) fail("rms_norm", "eps must be >= 0");
+  Node n = make_node(Op::rms_norm, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a});
+  n.params.f[0] = eps;
+  return push(std::move(n));
+}
+
+int Graph::rope(int x, int pos, int n_dims, int mode, float freq_base, float freq_scale) {
+  const Node& a = at(x);
+  const Node& p = at(pos);
+  need_dtype("rope", a, DType::F32, "x");
+  need_dtype("rope", p, DType::I32, "pos");
+  if (a.shape.ndim != 3) fail("rope", "x must be [n_tokens, n_head, head_dim], got " + a.shape.str());
+  if (p.shape.ndim != 1 || p.shape.dims[0] != a.shape.dims[0])
+    fail("rope", "pos must be [n_tokens] = [" + std::to_string(a.shape.dims[0]) + "], got " + p.shape.str());
+  if (n_dims <= 0 || n_dims % 2 != 0 || n_dims > a.shape.dims[2])
+    fail("rope", "n_dims must be even and in [2, head_dim], got " + std::to_string(n_dims));
+  if (mode != ROPE_NORMAL && mode != ROPE_NEOX) fail("rope", "mode must be 0 (normal) or 2 (neox)");
+  if (!(freq_base > 0.0f) || !(freq_scale > 0.0f)) fail("rope", "freq_base and freq_scale must be > 0");
+  Node n = make_node(Op::rope, DType::F32, make_shape(DType::F32, dims_of(a)), {x, pos});
+  n.params.i[0] = n_dims;
+  n.params.i[1] = mode;
+  n.params.f[0] = freq_base;
+  n.params.f[1] = freq_scale;
+  return push(std::move(n));
+}
+
+int Graph::softmax(int a, int mask, float scale) {
+  const Node& x = at(a);
+  need_dtype("softmax", x, DType::F32, "a");
+  Node n = make_node(Op::softmax, DType::F32, make_shape(DType::F32, dims_of(x)), {a});
+  if (mask >= 0) {
+    const Node& m = at(mask);
+    need_dtype("softmax", m, DType::F32, "mask");
+    if (!broadcastable(m.shape, x.shape)) fail("softmax", "mask " + m.shape.str() + " does not broadcast to " + x.shape.str());
+    n.src[n.n_src++] = mask;
+  }
+  n.params.f[0] = scale;
+  return push(std::move(n));
+}
+
+int Graph::attention(int q, int k, int v, int mask, int order, float scale) {
+  const Node& Q = at(q);
+  const Node& K = at(k);
+  const Node& V = at(v);
+  need_dtype("attention", Q, DType::F32, "q");
+  if (Q.shape.ndim != 3 || K.shape.ndim != 3 || V.shape.ndim != 3)
+    fail("attention", "q, k, v must be 3-D ([T, H, D]); got " + Q.shape.str() + ", " + K.shape.str() + ", " + V.shape.str());
+  for (const Node* t : {&K, &V})
+    if (t->dtype != DType::F32 && t->dtype != DType::F16)
+      fail("attention", std::string("k/v must be f32 or f16, got ") + dtype_name(t->dtype));
+  need_inner_contiguous("attention", Q, "q");
+  need_inner_contiguous("attention", K, "k");
+  need_inner_contiguous("attention", V, "v");
+  const int64_t T = Q.shape.dims[0], Hq = Q.shape.dims[1], D = Q.shape.dims[2];
+  const int64_t n_kv = K.shape.dims[0], Hkv = K.shape.dims[1];
+  if (K.shape.dims[2] != D) fail("attention", "k head dim differs from q's");
+  if (V.shape.dims[0] != n_kv || V.shape.dims[1] != Hkv) fail("attention", "v must match k in [n_kv, n_head_kv]");
+  if (Hkv <= 0 || Hq % Hkv != 0) fail("attention", "n_head (" + std::to_string(Hq) + ") must be a multiple of n_head_kv (" + std::to_string(Hkv) + ")");
+  if (mask < 0) fail("attention", "a mask [n_tokens, n_kv] is required");
+  const Node& M = at(mask);
+  need_dtype("attention", M, DType::F32, "mask");
+  if (M.shape.ndim != 2 || M.shape.dims[0] != T || M.shape.dims[1] != n_kv)
+    fail("attention", "mask must be [" + std::to_string(T) + ", " + std::to_string(n_kv) + "], got " + M.shape.str());
+  need_inner_contiguous("attention", M, "mask");
+  Node n = make_node(Op::attention, DType::F32, make_shape(DType::F32, {T, Hq, V.shape.dims[2]}), {q, k, v, mask});
+  if (order >= 0) {
+    const Node& O = at(order);
+    need_dtype("attention", O, DType::I32, "order");
+    if (O.shape.ndim != 1 || O.shape.dims[0] != n_kv) fail("attention", "order must be [n_kv]");
+    n.src[n.n_src++] = order;
+  }
+  n.params.f[0] = scale;
+  return push(std::move(n));
+}
+
+int Graph::silu(int a) {
+  need_dtype("silu", at(a), DType::F32, "a");
+  return push(make_node(Op::silu, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a}));
+}
+
+int Graph::swiglu(int gate, int up) {
+  const Node& g = at(gate);
+  const Node& u = at(up);
+  need_dtype("swiglu", g, DType::F32, "gate");
+  need_dtype("swiglu", u, DType::F32, "up");
+  if (dims_of(g) != dims_of(u)) fail("swiglu", "gate " + g.shape.str() + " and up " + u.shape.str() + " differ");
+  return push(make_node(Op::swiglu, DType::F32, make_shape(DType::F32, dims_of(g)), {gate, up}));
+}
+
+int Graph::set_rows(int dst, int src, int idx) {
+  const Node& d = at(dst);
+  const Node& s = at(src);
+  const Node& i = at(idx);
+  need_dtype("set_rows", s, DType::F32, "src");
+  need_dtype("set_rows", i, DType::I32, "idx");
+  switch (d.dtype) {
+    case DType::F32: case DType::F16: case DType::BF16: case DType::Q8_0: case DType::Q4_0: case DType::Q4_1: break;
+    default: fail("set_rows", std::string("unsupported dst dtype ") + dtype_name(d.dtype));
+  }
+  if (i.shape.ndim != 1) fail("set_rows", "idx must be 1-D");
+  if (s.shape.dims[0] != i.shape.dims[0]) fail("set_rows", "src rows (" + std::to_string(s.shape.dims[0]) + ") != idx length (" + std::to_string(i.shape.dims[0]) + ")");
+  const int64_t row_dst = d.shape.numel() / d.shape.dims[0];
+  const int64_t row_src = s.shape.numel() / s.shape.dims[0];
+  if (row_dst != row_src) fail("set_rows", "row sizes differ: dst " + d.shape.str() + " vs src " + s.shape.str());
+  // Rows of dst must be contiguous (one row = dims[1:]).
+  Shape inner = d.shape;
+  inner.ndim = d.shape.ndim - 1;
+  for (int k = 0; k < inner.ndim; ++k) { inner.dims[k] = d.shape.dims[k + 1]; inner.strides[k] = d.shape.strides[k + 1]; }
+  if (inner.ndim > 0 && !is_contiguous(d.dtype, inner)) fail("set_rows", "dst rows must be contiguous");
+  if (dtype_is_quantized(d.dtype) && row_dst % dtype_block_size(d.dtype) != 0) fail("set_rows", "row size must be a multiple of the block size");
+  Node n = make_node(Op::set_rows, d.dtype, d.shape, {dst, src, idx});
+  n.view_src = dst;  // writes in place: the result aliases dst
+  n.view_offset = 0;
+  return push(std::move(n));
+}
+
+int Graph::cpy(int a, DType t) {
+  const Node& x = at(a);
+  switch (t) {
+    case DType::F32: case DType::F16: case DType::BF16: break;
+    case DType::Q8_0: case DType::Q4_0: case DType::Q4_1:
+      if (x.shape.dims[x.shape.ndim - 1] % 32) fail("cpy", "innermost dim must be a multiple of 32 to quantize");
+      break;
+    default: fail("cpy", std::string("unsupported target dtype ") + dtype_name(t));
+  }
+  if (x.dtype != DType::F32 && x.dtype != DType::F16 && x.dtype != DType::BF16 && !dtype_is_quantized(x.dtype))
+    fail("cpy", std::string("unsupported source dtype ") + dtype_name(x.dtype));
+  if (dtype_is_quantized(x.dtype) && t != DType::F32) fail("cpy", "quantized sources convert to f32 only");
+  return push(make_node(Op::cpy, t, shape_or_fail("cpy", t, dims_of(x)), {a}));
+}
+
+int Graph::argmax(int a) {
+  const Node& x = at(a);
+  need_dtype("argmax", x, DType::F32, "a");
+  std::vector<int64_t> d = dims_of(x);
+  d.pop_back();
+  if (d.empty()) d.push_back(1);
+  return push(make_node(Op::argmax, DType::I32, make_shape(DType::I32, d), {a}));
+}
+
+int Graph::reshape(int a, const std::vector<int64_t>& dims) {
+  const Node& x = at(a);
+  if (!is_contiguous(x.dtype, x.shape)) fail("reshape", "source must be contiguous (use cpy first)");
+  Shape s = shape_or_fail("reshape", x.dtype, dims);
+  if (s.numel() != x.shape.numel())
+    fail("reshape", "element count differs: " + x.shape.str() + " -> " + dims_str(dims));
+  Node n = make_node(Op::reshape, x.dtype, s, {a});
+  n.view_src = a;
+  return push(std::move(n));
+}
+
+int Graph::view(int a, const std::vector<int64_t>& dims, const std::vector<int64_t>& strides, int64_t offset) {
+  const Node& x = at(a);
+  Shape s = shape_or_fail("view", x.dtype, dims);
+  if (!strides.empty()) {
+    if (strides.size() != dims.size()) fail("view", "strides must match the number of dims");
+    for (size_t i = 0; i < dims.size(); ++i) {
+      if (strides[i] < 0) fail("view", "negative strides are not supported");
+      s.strides[i] = strides[i];
+    }
+    if (dtype_is_quantized(x.dtype)) s.strides[s.ndim - 1] = 0;
+  }
+  if (offset < 0) fail("view", "negative offset");
+  if ((size_t)offset + span_bytes(x.dtype, s) > span_bytes(x.dtype, x.shape))
+    fail("view", "view " + s.str() + " at offset " + std::to_string(offset) + " exceeds the source " + x.shape.str());
+  Node n = make_node(Op::view, x.dtype, s, {a});
+  n.view_src = a;
+  n.view_offset = offset;
+  return push(std::move(n));
+}
+
+int Graph::permute(int a, const std::vector<int>& axes) {
+  const Node& x = at(a);
+  if ((int)axes.size() != x.shape.ndim) fail("permute", "need one axis per dim");
+  if (dtype_is_quantized(x.dtype)) fail("permute", "quantized tensors cannot be permuted");
+  std::vector<bool> seen(axes.size(), false);
+  Shape s = x.shape;
+  for (size_t i = 0; i < axes.size(); ++i) {
+    const int ax = axes[i];
+    if (ax < 0 || ax >= x.shape.ndim || seen[ax]) fail("permute", "axes must be a permutation");
+    seen[ax] = true;
+    s.dims[i] = x.shape.dims[ax];
+    s.strides[i] = x.shape.strides[ax];
+  }
+  Node n = make_node(Op::permute, x.dtype, s, {a});
+  n.view_src = a;
+  return push(std::move(n));
+}
+
+}  // namespace pyfast

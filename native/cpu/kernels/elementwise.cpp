@@ -1,0 +1,180 @@
+// Elementwise and data-movement kernels: add, mul, scale, silu, swiglu, cpy, get_rows,
+// set_rows, argmax. Work is split over rows; no reductions cross rows.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu/kernels/common.h"
+
+namespace pyfast {
+
+namespace {
+
+inline float silu_f(float x) { return x / (1.0f + std::exp(-x)); }
+
+template <typename F>
+void binary_rows(const ComputeParams& p, Node& dst, const Node* a, const Node* b, F f) {
+  const Shape& sa = a->shape;
+  const Shape& sb = b->shape;
+  const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
+  const int64_t ia = inner_stride(sa) / 4;
+  const int64_t ib = sb.dims[sb.ndim - 1] == 1 ? 0 : inner_stride(sb) / 4;
+  int64_t r0, r1;
+  split_range(nr, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = reinterpret_cast<const float*>(a->data + row_offset(sa, r));
+    const float* y = reinterpret_cast<const float*>(b->data + bcast_row_offset(sa, sb, r));
+    float* o = reinterpret_cast<float*>(dst.data) + r * n;
+    if (ia == 1 && ib == 1) {
+      for (int64_t i = 0; i < n; ++i) o[i] = f(x[i], y[i]);
+    } else if (ia == 1 && ib == 0) {
+      const float yv = y[0];
+      for (int64_t i = 0; i < n; ++i) o[i] = f(x[i], yv);
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[i] = f(x[i * ia], y[i * ib]);
+    }
+  }
+}
+
+template <typename F>
+void unary_rows(const ComputeParams& p, Node& dst, const Node* a, F f) {
+  const Shape& sa = a->shape;
+  const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
+  const int64_t ia = inner_stride(sa) / 4;
+  int64_t r0, r1;
+  split_range(nr, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = reinterpret_cast<const float*>(a->data + row_offset(sa, r));
+    float* o = reinterpret_cast<float*>(dst.data) + r * n;
+    if (ia == 1) for (int64_t i = 0; i < n; ++i) o[i] = f(x[i]);
+    else for (int64_t i = 0; i < n; ++i) o[i] = f(x[i * ia]);
+  }
+}
+
+}  // namespace
+
+void cpu_add(const ComputeParams& p, Node& dst, const Node* const* src) {
+  binary_rows(p, dst, src[0], src[1], [](float x, float y) { return x + y; });
+}
+
+void cpu_mul(const ComputeParams& p, Node& dst, const Node* const* src) {
+  binary_rows(p, dst, src[0], src[1], [](float x, float y) { return x * y; });
+}
+
+void cpu_scale(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const float s = dst.params.f[0];
+  unary_rows(p, dst, src[0], [s](float x) { return x * s; });
+}
+
+void cpu_silu(const ComputeParams& p, Node& dst, const Node* const* src) {
+  unary_rows(p, dst, src[0], silu_f);
+}
+
+void cpu_swiglu(const ComputeParams& p, Node& dst, const Node* const* src) {
+  binary_rows(p, dst, src[0], src[1], [](float g, float u) { return silu_f(g) * u; });
+}
+
+void cpu_cpy(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node* a = src[0];
+  const Shape& sa = a->shape;
+  const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
+  const size_t out_row = dtype_row_size(dst.dtype, n);
+  const int64_t es = (int64_t)dtype_type_size(a->dtype);
+  const bool inner_contig = dtype_is_quantized(a->dtype) || inner_stride(sa) == es || n == 1;
+  int64_t r0, r1;
+  split_range(nr, p.ith, p.nth, r0, r1);
+  std::vector<float> tmp((size_t)n);
+  std::vector<uint8_t> gather;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* x = a->data + row_offset(sa, r);
+    if (!inner_contig) {
+      gather.resize((size_t)(n * es));
+      for (int64_t i = 0; i < n; ++i) std::memcpy(&gather[(size_t)(i * es)], x + i * inner_stride(sa), (size_t)es);
+      x = gather.data();
+    }
+    uint8_t* o = dst.data + r * out_row;
+    if (a->dtype == dst.dtype) {
+      std::memcpy(o, x, out_row);
+    } else if (dst.dtype == DType::F32) {
+      row_to_f32(a->dtype, x, reinterpret_cast<float*>(o), n);
+    } else {
+      row_to_f32(a->dtype, x, tmp.data(), n);
+      row_from_f32(dst.dtype, tmp.data(), o, n);
+    }
+  }
+}
+
+void cpu_get_rows(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node* t = src[0];
+  const Node* ids = src[1];
+  const int64_t n_ids = ids->shape.dims[0];
+  const int64_t V = t->shape.dims[0];
+  const int64_t row_elems = t->shape.numel() / V;
+  // Rows of the table may have inner structure (e.g. [V, H, D]); they are contiguous.
+  int64_t r0, r1;
+  split_range(n_ids, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int32_t id = *reinterpret_cast<const int32_t*>(ids->data + r * ids->shape.strides[0]);
+    float* o = reinterpret_cast<float*>(dst.data) + r * row_elems;
+    if (id < 0 || id >= V) {  // validated by the caller; never read out of bounds
+      std::memset(o, 0, (size_t)row_elems * 4);
+      continue;
+    }
+    row_to_f32(t->dtype, t->data + (int64_t)id * t->shape.strides[0], o, row_elems);
+  }
+}
+
+void cpu_set_rows(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node* d = src[0];
+  const Node* s = src[1];
+  const Node* idx = src[2];
+  const int64_t n = s->shape.dims[0];
+  const int64_t R = d->shape.dims[0];
+  const int64_t row_elems = s->shape.numel() / n;
+  int64_t r0, r1;
+  split_range(n, p.ith, p.nth, r0, r1);
+  std::vector<float> tmp;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int32_t row = *reinterpret_cast<const int32_t*>(idx->data + r * idx->shape.strides[0]);
+    if (row < 0 || row >= R) continue;
+    // src rows may be strided views; gather into a contiguous row first when needed.
+    const Shape& ss = s->shape;
+    const float* x;
+    Shape inner = ss;
+    inner.ndim = ss.ndim - 1;
+    for (int k = 0; k < inner.ndim; ++k) { inner.dims[k] = ss.dims[k + 1]; inner.strides[k] = ss.strides[k + 1]; }
+    if (inner.ndim == 0 || is_contiguous(DType::F32, inner)) {
+      x = reinterpret_cast<const float*>(s->data + r * ss.strides[0]);
+    } else {
+      tmp.resize((size_t)row_elems);
+      const int64_t inner_n = inner.dims[inner.ndim - 1];
+      const int64_t rows = row_elems / inner_n;
+      for (int64_t q = 0; q < rows; ++q) {
+        const uint8_t* base = s->data + r * ss.strides[0] + row_offset(inner, q);
+        for (int64_t i = 0; i < inner_n; ++i)
+          tmp[(size_t)(q * inner_n + i)] = *reinterpret_cast<const float*>(base + i * inner.strides[inner.ndim - 1]);
+      }
+      x = tmp.data();
+    }
+    row_from_f32(d->dtype, x, dst.data + (int64_t)row * d->shape.strides[0], row_elems);
+  }
+}
+
+void cpu_argmax(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node* a = src[0];
+  const Shape& sa = a->shape;
+  const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
+  const int64_t ia = inner_stride(sa) / 4;
+  int64_t r0, r1;
+  split_range(nr, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = reinterpret_cast<const float*>(a->data + row_offset(sa, r));
+    int64_t best = 0;
+    float bv = x[0];
+    for (int64_t i = 1; i < n; ++i)
+      if (x[i * ia] > bv) { bv = x[i * ia]; best = i; }
+    reinterpret_cast<int32_t*>(dst.data)[r] = (int32_t)best;
+  }
+}
+
+}  // namespace pyfast

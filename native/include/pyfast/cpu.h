@@ -1,0 +1,68 @@
+// CPU backend: the kernel interface, ISA selection and helpers shared by kernels.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "pyfast/graph.h"
+#include "pyfast/threadpool.h"
+
+namespace pyfast {
+
+// Which SIMD path kernels use. `scalar` is the reference mode the tests use as an oracle.
+enum class CpuIsa : int32_t { scalar = 0, avx2 = 1, avx512 = 2, neon = 3 };
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512vnni = false, avx512bf16 = false;
+  bool avxvnni = false, neon = false, dotprod = false;
+};
+const CpuFeatures& cpu_features();
+// The best ISA this machine has.
+CpuIsa cpu_best_isa();
+// Current ISA used by kernels (default: best); setting one the machine lacks throws.
+CpuIsa cpu_isa();
+void set_cpu_isa(CpuIsa isa);
+const char* cpu_isa_name(CpuIsa isa);
+
+struct ComputeParams {
+  int ith = 0, nth = 1;
+  uint8_t* wdata = nullptr;  // shared scratch (size from kernel_work_size)
+  size_t wsize = 0;
+  ThreadPool* pool = nullptr;
+  CpuIsa isa = CpuIsa::scalar;
+  void barrier() const { if (pool && nth > 1) pool->barrier(); }
+};
+
+// Kernel entry points (one per non-view op), named cpu_<op>.
+using Src = const Node*;
+#define X(name, n_src, is_view) void cpu_##name(const ComputeParams& p, Node& dst, const Node* const* src);
+#include "pyfast/ops.def"
+#undef X
+
+// Scratch bytes an op needs (shared by all threads), given the thread count.
+size_t cpu_work_size(const Node& dst, const Node* const* src, int nth);
+
+// Split [0, n) into nth nearly equal parts; returns [begin, end) for thread ith.
+inline void split_range(int64_t n, int ith, int nth, int64_t& b, int64_t& e) {
+  const int64_t per = (n + nth - 1) / nth;
+  b = per * ith;
+  e = b + per < n ? b + per : n;
+  if (b > n) b = n;
+}
+
+// fp16 / bf16 conversion (scalar; SIMD paths live in the kernels).
+float fp16_to_fp32(uint16_t h);
+uint16_t fp32_to_fp16(float f);
+inline float bf16_to_fp32(uint16_t h) {
+  union { uint32_t u; float f; } v;
+  v.u = (uint32_t)h << 16;
+  return v.f;
+}
+uint16_t fp32_to_bf16(float f);
+
+// Convert one contiguous row of n elements of type t to f32 (any supported type).
+void row_to_f32(DType t, const void* src, float* dst, int64_t n);
+// Convert a row of n f32 values to type t (F32, F16, BF16, Q8_0, Q4_0, Q4_1: reference quantizers).
+void row_from_f32(DType t, const float* src, void* dst, int64_t n);
+
+}  // namespace pyfast

@@ -1,0 +1,91 @@
+// The graph builder: records nodes and validates shapes and dtypes; it computes nothing.
+// A bad argument throws std::invalid_argument("[op] ..."), which the binding turns into
+// a Python ValueError.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "pyfast/ops.h"
+#include "pyfast/tensor.h"
+
+namespace pyfast {
+
+constexpr int kMaxSrc = 5;
+
+enum class NodeKind : int32_t {
+  input,     // filled by the caller before each run (owned by the plan)
+  external,  // memory owned by someone else (weights, KV cache); `data` set at record time
+  computed,  // produced by an op; memory from the plan's arena (or aliasing a source for views)
+};
+
+struct OpParams {
+  int32_t i[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+};
+
+struct Node {
+  int id = -1;
+  Op op = Op::none;
+  NodeKind kind = NodeKind::computed;
+  DType dtype = DType::F32;
+  Shape shape;
+  int src[kMaxSrc] = {-1, -1, -1, -1, -1};
+  int n_src = 0;
+  OpParams params;
+  std::string name;
+  // For view ops: the node whose memory this one aliases and the byte offset into it.
+  int view_src = -1;
+  int64_t view_offset = 0;
+  // Resolved at plan time (computed/input) or record time (external).
+  uint8_t* data = nullptr;
+};
+
+class Graph {
+ public:
+  Graph() = default;
+
+  // Leaves.
+  int input(const std::string& name, DType t, const std::vector<int64_t>& dims);
+  int external(const std::string& name, DType t, const std::vector<int64_t>& dims, void* data,
+               const std::vector<int64_t>& strides = {});
+
+  // Ops (each returns the new node id).
+  int get_rows(int table, int ids);
+  int matmul(int x, int w);
+  int add(int a, int b);
+  int mul(int a, int b);
+  int scale(int a, float s);
+  int rms_norm(int a, float eps);
+  int rope(int x, int pos, int n_dims, int mode, float freq_base, float freq_scale);
+  int softmax(int a, int mask, float scale);  // mask may be -1
+  int attention(int q, int k, int v, int mask, int order, float scale);  // order may be -1
+  int silu(int a);
+  int swiglu(int gate, int up);
+  int set_rows(int dst, int src, int idx);
+  int cpy(int a, DType t);
+  int argmax(int a);
+  int reshape(int a, const std::vector<int64_t>& dims);
+  int view(int a, const std::vector<int64_t>& dims, const std::vector<int64_t>& strides,
+           int64_t offset);
+  int permute(int a, const std::vector<int>& axes);
+
+  void set_name(int id, const std::string& name) { at(id).name = name; }
+  void mark_output(int id, const std::string& name);
+
+  const Node& at(int id) const;
+  Node& at(int id);
+  int size() const { return (int)nodes_.size(); }
+  const std::vector<Node>& nodes() const { return nodes_; }
+  std::vector<Node>& nodes() { return nodes_; }
+  const std::vector<std::pair<std::string, int>>& outputs() const { return outputs_; }
+  const std::vector<std::pair<std::string, int>>& inputs() const { return inputs_; }
+
+ private:
+  int push(Node n);
+  std::vector<Node> nodes_;
+  std::vector<std::pair<std::string, int>> inputs_;
+  std::vector<std::pair<std::string, int>> outputs_;
+};
+
+}  // namespace pyfast

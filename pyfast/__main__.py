@@ -1,0 +1,5 @@
+import sys
+
+from pyfast.cli import main
+
+sys.exit(main())

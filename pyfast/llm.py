@@ -1,0 +1,275 @@
+"""The high-level Python API: ``LLM`` (generate, chat, logits, perplexity, tokenize)."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from pyfast.context import Context
+from pyfast.models import Model
+from pyfast.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Timings:
+    n_prompt: int = 0           # prompt tokens actually processed (after prefix reuse)
+    n_prompt_cached: int = 0    # prompt tokens reused from the previous call
+    prompt_s: float = 0.0
+    n_gen: int = 0
+    gen_s: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.n_gen / self.gen_s if self.gen_s > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: list[int]
+    finish_reason: str  # "stop" (end of generation token or stop string) or "length"
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class StreamChunk:
+    text: str                 # new text since the previous chunk (complete UTF-8 only)
+    token: int | None         # the token that produced it (None for the final flush)
+    finish_reason: str | None = None
+    result: GenerationResult | None = None  # set on the last chunk
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    n_chunks: int
+    n_scored: int
+    nll: float  # mean negative log-likelihood per scored token
+
+
+class LLM:
+    """A GGUF model ready to generate.
+
+    >>> llm = LLM()                       # the default model (SmolLM2-135M-Instruct Q4_1)
+    >>> llm.generate("The capital of France is", max_tokens=8, temperature=0).text
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096,
+                 n_threads: int | None = None, n_ubatch: int = 512, verbose: bool = False):
+        from pyfast.chat import ChatTemplate
+        from pyfast.hub import resolve_model
+        from pyfast.tokenizer import Tokenizer
+
+        path = resolve_model(None if model is None else str(model), quiet=not verbose)
+        self.model_path = str(path)
+        self.model = Model(path)
+        self.tokenizer = Tokenizer.from_gguf_metadata(self.model.metadata)
+        self.chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=n_ubatch)
+        self._cached: list[int] = []  # tokens of sequence 0 currently in the cache
+
+    # --- basics ----------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.n_vocab
+
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Text to token ids (special tokens such as <|im_start|> are parsed by default)."""
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: Sequence[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special=skip_special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    # --- logits ----------------------------------------------------------------------------
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits of every position, float32 [n_tokens, n_vocab], for a fresh sequence."""
+        ids = list(token_ids)
+        if not ids:
+            raise ValueError("logits: empty token list")
+        self._check_fits(len(ids))
+        self.ctx.remove_seq(0)
+        self._cached = []
+        out = self.ctx.decode(ids, seq_ids=0, logits="all")
+        self.ctx.remove_seq(0)
+        return out
+
+    # --- generation ------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 min_p: float | None = None, repeat_penalty: float | None = None,
+                 frequency_penalty: float | None = None, presence_penalty: float | None = None,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 params: SamplingParams | None = None, add_bos: bool | None = None, special: bool = True,
+                 ignore_eos: bool = False, stream: bool = False):
+        """Complete a raw prompt (text or token ids).
+
+        Returns a GenerationResult, or with stream=True an iterator of StreamChunk whose last
+        chunk carries the full result. temperature <= 0 means greedy decoding.
+        """
+        sp = _sampling_params(params, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, seed=seed)
+        if isinstance(prompt, str):
+            ptoks = self.tokenize(prompt, add_bos=add_bos, special=special)
+        else:
+            ptoks = [int(t) for t in prompt]
+        if not ptoks:
+            raise ValueError("generate: the prompt is empty")
+        if max_tokens is None or max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        it = self._generate(ptoks, max_tokens, sp, stops, ignore_eos)
+        if stream:
+            return it
+        last = None
+        for chunk in it:
+            last = chunk
+        return last.result
+
+    def chat(self, messages: list[dict], max_tokens: int = 256, **kwargs):
+        """Generate the assistant's reply to a conversation using the model's chat template."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate(text, max_tokens=max_tokens, **kwargs)
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.n_ctx:
+            raise ValueError(f"{n} tokens do not fit in the context ({self.n_ctx}); raise n_ctx")
+
+    def _prefill(self, ptoks: list[int], timings: Timings) -> np.ndarray:
+        """Decode the prompt, reusing the longest common prefix with the cached sequence."""
+        n_keep = 0
+        for a, b in zip(self._cached, ptoks):
+            if a != b:
+                break
+            n_keep += 1
+        n_keep = min(n_keep, len(ptoks) - 1)  # always decode at least one token for logits
+        self.ctx.truncate(0, n_keep)
+        self._cached = ptoks[:n_keep]
+        t0 = time.perf_counter()
+        logits = self.ctx.decode(ptoks[n_keep:], positions=range(n_keep, len(ptoks)), seq_ids=0)[-1]
+        timings.prompt_s = time.perf_counter() - t0
+        timings.n_prompt = len(ptoks) - n_keep
+        timings.n_prompt_cached = n_keep
+        self._cached = list(ptoks)
+        return logits
+
+    def _generate(self, ptoks: list[int], max_tokens: int, sp: SamplingParams, stops: list[str],
+                  ignore_eos: bool) -> Iterator[StreamChunk]:
+        from pyfast.tokenizer import StreamDecoder
+
+        self._check_fits(len(ptoks))
+        timings = Timings()
+        logits = self._prefill(ptoks, timings)
+        sampler = Sampler(sp, self.n_vocab)
+        history = list(ptoks)
+        out: list[int] = []
+        dec = StreamDecoder(self.tokenizer)
+        text = ""        # all text generated so far
+        emitted = 0      # chars of `text` already streamed
+        hold = max((len(s) for s in stops), default=0)
+        finish = "length"
+        t0 = time.perf_counter()
+        while len(out) < max_tokens:
+            tok = sampler.sample(logits, history)
+            if not ignore_eos and self.tokenizer.is_eog(tok):
+                finish = "stop"
+                break
+            out.append(tok)
+            history.append(tok)
+            text += dec.feed(tok)
+            hit = _find_stop(text, stops, emitted)
+            if hit is not None:
+                text = text[:hit]
+                finish = "stop"
+                break
+            # Hold back a tail that might still become a stop string.
+            safe = max(emitted, len(text) - hold) if hold else len(text)
+            if safe > emitted:
+                yield StreamChunk(text=text[emitted:safe], token=tok)
+                emitted = safe
+            if len(out) >= max_tokens or len(history) >= self.n_ctx:
+                break
+            self._cached.append(tok)
+            logits = self.ctx.decode([tok], positions=[len(history) - 1], seq_ids=0)[0]
+        if finish == "length":
+            text += dec.flush()
+        timings.gen_s = time.perf_counter() - t0
+        timings.n_gen = len(out)
+        # The last sampled token is not in the cache; keep _cached in sync with the KV cache.
+        self._cached = self._cached[: self.ctx.seq_len(0)]
+        result = GenerationResult(text=text, tokens=out, prompt_tokens=list(ptoks), finish_reason=finish,
+                                  timings=timings)
+        yield StreamChunk(text=text[emitted:], token=None, finish_reason=finish, result=result)
+
+    # --- evaluation ------------------------------------------------------------------------
+    def perplexity(self, text: str, n_ctx: int = 512) -> PerplexityResult:
+        """Perplexity as llama-perplexity computes it: the text is cut into chunks of n_ctx
+        tokens, each evaluated from scratch, and the second half of each chunk is scored."""
+        if n_ctx < 8:
+            raise ValueError("perplexity: n_ctx must be >= 8")
+        self._check_fits(n_ctx)
+        toks = self.tokenize(text, special=False)
+        n_chunks = len(toks) // n_ctx
+        if n_chunks == 0:
+            raise ValueError(f"perplexity: need at least {n_ctx} tokens, the text has {len(toks)}")
+        add_bos = bool(self.model.metadata.get("tokenizer.ggml.add_bos_token", False))
+        first = n_ctx // 2
+        nll_sum, count = 0.0, 0
+        self._cached = []
+        for c in range(n_chunks):
+            chunk = toks[c * n_ctx:(c + 1) * n_ctx]
+            if add_bos:
+                chunk[0] = self.tokenizer.bos_id
+            self.ctx.remove_seq(0)
+            lg = self.ctx.decode(chunk, positions=range(n_ctx), seq_ids=0,
+                                 logits=np.arange(first, n_ctx - 1)).astype(np.float64)
+            target = np.asarray(chunk[first + 1:n_ctx])
+            mx = lg.max(axis=1, keepdims=True)
+            lse = np.log(np.exp(lg - mx).sum(axis=1)) + mx[:, 0]
+            nll_sum += float((lse - lg[np.arange(lg.shape[0]), target]).sum())
+            count += lg.shape[0]
+        self.ctx.remove_seq(0)
+        nll = nll_sum / count
+        return PerplexityResult(ppl=math.exp(nll), n_chunks=n_chunks, n_scored=count, nll=nll)
+
+
+def _find_stop(text: str, stops: list[str], emitted: int) -> int | None:
+    """Index where the earliest stop string starts in the not-yet-emitted region, if any."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, emitted - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _sampling_params(params: SamplingParams | None, **overrides) -> SamplingParams:
+    import dataclasses
+
+    sp = params or SamplingParams()
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if changes:
+        sp = dataclasses.replace(sp, **changes)
+    sp.validate()
+    return sp
+
+
+def load(model: str | os.PathLike | None = None, **kwargs) -> LLM:
+    """Shorthand for LLM(model, **kwargs)."""
+    return LLM(model, **kwargs)

@@ -1,0 +1,128 @@
+"""A unified KV cache: cells with (sequence id, position), shared by all sequences.
+
+K and V rows live in native host buffers that the graphs read and write through ops
+(``set_rows`` and views); Python only tracks which cell holds which (sequence, position) and
+builds the per-batch inputs: the write indices, the attention mask and the cell order.
+
+The cell order (cells sorted by position) makes attention reduce over a sequence's positions in
+the same order wherever its cells happen to sit, which is what keeps decoding batch invariant
+even after truncation frees cells in the middle of the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyfast._loader import native
+
+KV_PAD = 256  # the visible cache length (n_kv) grows in steps of this many cells
+
+
+class KVCacheFull(RuntimeError):
+    """No free cells left for a batch."""
+
+
+@dataclass
+class BatchSlots:
+    idx: np.ndarray    # [T] int32: the cell each token's K/V is written to
+    mask: np.ndarray   # [T, n_kv] float32: 0 where the token may attend, -inf elsewhere
+    order: np.ndarray  # [n_kv] int32: cells sorted by position (attention's reduction order)
+    n_kv: int
+
+
+class KVCache:
+    """K/V storage for every attention layer plus the cell bookkeeping."""
+
+    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int,
+                 dtype: "native.DType" = native.DType.F16, head_dim_v: int | None = None):
+        if n_ctx <= 0:
+            raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        self.n_layer = n_layer
+        self.n_ctx = n_ctx
+        self.n_head_kv = n_head_kv
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v or head_dim
+        self.dtype = dtype
+        esize = native.dtype_type_size(dtype)
+        self.k_layer_bytes = n_ctx * n_head_kv * head_dim * esize
+        self.v_layer_bytes = n_ctx * n_head_kv * self.head_dim_v * esize
+        self.k = native.Buffer(n_layer * self.k_layer_bytes)
+        self.v = native.Buffer(n_layer * self.v_layer_bytes)
+        self.cell_pos = np.full(n_ctx, -1, dtype=np.int32)
+        self.cell_seq = np.full(n_ctx, -1, dtype=np.int32)
+        self._used_top = 0  # one past the highest used cell
+
+    # --- bookkeeping -----------------------------------------------------------------------
+    @property
+    def n_used(self) -> int:
+        return int(np.count_nonzero(self.cell_pos >= 0))
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Largest position stored for `seq`, or -1 when it has none."""
+        sel = self.cell_seq[: self._used_top] == seq
+        return int(self.cell_pos[: self._used_top][sel].max()) if sel.any() else -1
+
+    def seq_len(self, seq: int) -> int:
+        return self.seq_pos_max(seq) + 1
+
+    def truncate(self, seq: int, p: int) -> None:
+        """Remove positions >= p of sequence `seq`."""
+        sel = (self.cell_seq == seq) & (self.cell_pos >= p)
+        self.cell_pos[sel] = -1
+        self.cell_seq[sel] = -1
+        self._shrink()
+
+    def remove_seq(self, seq: int) -> None:
+        self.truncate(seq, 0)
+
+    def clear(self) -> None:
+        self.cell_pos[:] = -1
+        self.cell_seq[:] = -1
+        self._used_top = 0
+
+    def can_rollback(self) -> float:
+        """How many trailing tokens can be removed: any number for a KV cache."""
+        return float("inf")
+
+    def _shrink(self) -> None:
+        used = np.flatnonzero(self.cell_pos >= 0)
+        self._used_top = int(used[-1]) + 1 if used.size else 0
+
+    # --- per-batch inputs ------------------------------------------------------------------
+    def prepare(self, seq_ids: np.ndarray, positions: np.ndarray) -> BatchSlots:
+        """Allocate cells for a batch and build its write indices, mask and cell order.
+
+        A (sequence, position) pair that is already stored is overwritten in place.
+        """
+        T = len(positions)
+        keys = (seq_ids.astype(np.int64) << 32) | positions.astype(np.int64)
+        if np.unique(keys).size != T:
+            raise ValueError("a batch may not hold the same (sequence, position) twice")
+        idx = np.full(T, -1, dtype=np.int32)
+        top = self._used_top
+        if top:
+            live = np.flatnonzero(self.cell_pos[:top] >= 0)
+            live_keys = (self.cell_seq[live].astype(np.int64) << 32) | self.cell_pos[live].astype(np.int64)
+            hit = np.isin(keys, live_keys)
+            if hit.any():  # overwrite pairs that are already stored, in their cells
+                where = {int(k): int(c) for k, c in zip(live_keys, live)}
+                for t in np.flatnonzero(hit).tolist():
+                    idx[t] = where[int(keys[t])]
+        need = np.flatnonzero(idx < 0)
+        if need.size:
+            free = np.flatnonzero(self.cell_pos < 0)
+            if free.size < need.size:
+                raise KVCacheFull(
+                    f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, {need.size} more needed")
+            idx[need] = free[: need.size]
+        self.cell_pos[idx] = positions
+        self.cell_seq[idx] = seq_ids
+        self._used_top = max(self._used_top, int(idx.max()) + 1) if T else self._used_top
+        n_kv = min(self.n_ctx, -(-self._used_top // KV_PAD) * KV_PAD)
+        cpos = self.cell_pos[:n_kv]
+        cseq = self.cell_seq[:n_kv]
+        allowed = (cseq[None, :] == seq_ids[:, None]) & (cpos[None, :] <= positions[:, None]) & (cpos[None, :] >= 0)
+        mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        order = np.argsort(cpos, kind="stable").astype(np.int32)
+        return BatchSlots(idx=idx, mask=mask, order=order, n_kv=n_kv)
