@@ -1,0 +1,111 @@
+"""The high-level API on the default model: generation, streaming, stop strings, chat, seeds,
+prefix reuse, and input errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyfast.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(smollm2_path, n_ctx=512, n_threads=2)
+
+
+def manual_greedy(llm: LLM, prompt: list[int], n: int) -> list[int]:
+    llm.ctx.clear()
+    llm._cached = []
+    logits = llm.ctx.decode(prompt, seq_ids=0)[-1]
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        if llm.tokenizer.is_eog(t):
+            break
+        out.append(t)
+        logits = llm.ctx.decode([t], seq_ids=0)[-1]
+    llm.ctx.clear()
+    return out
+
+
+def test_greedy_generate_equals_argmax_loop(llm):
+    prompt = "The three primary colors are"
+    res = llm.generate(prompt, max_tokens=12, temperature=0)
+    assert res.tokens == manual_greedy(llm, llm.tokenize(prompt), 12)
+    assert res.text == llm.detokenize(res.tokens)
+    assert res.finish_reason in ("length", "stop")
+    assert res.timings.n_gen == len(res.tokens)
+
+
+def test_stream_concatenates_to_full_text(llm):
+    prompt = "List three fruits:"
+    full = llm.generate(prompt, max_tokens=20, temperature=0)
+    chunks = list(llm.generate(prompt, max_tokens=20, temperature=0, stream=True))
+    assert "".join(c.text for c in chunks) == full.text
+    assert chunks[-1].result is not None and chunks[-1].result.tokens == full.tokens
+
+
+def test_prefix_reuse_gives_same_output(llm):
+    p = "def add(a, b):\n    return"
+    a = llm.generate(p, max_tokens=8, temperature=0)
+    b = llm.generate(p, max_tokens=8, temperature=0)  # the prompt is now cached
+    assert b.timings.n_prompt_cached > 0
+    assert a.tokens == b.tokens
+
+
+def test_stop_string_truncates(llm):
+    full = llm.generate("Count: 1, 2, 3,", max_tokens=16, temperature=0)
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    res = llm.generate("Count: 1, 2, 3,", max_tokens=16, temperature=0, stop=[stop])
+    assert res.finish_reason == "stop"
+    assert res.text == full.text[: full.text.find(stop)]
+    streamed = "".join(c.text for c in llm.generate("Count: 1, 2, 3,", max_tokens=16, temperature=0,
+                                                     stop=[stop], stream=True))
+    assert streamed == res.text
+
+
+def test_seed_reproducible_and_sampling_varies(llm):
+    kw = dict(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    a = llm.generate("Once upon a time", seed=7, **kw)
+    b = llm.generate("Once upon a time", seed=7, **kw)
+    assert a.tokens == b.tokens
+    others = {tuple(llm.generate("Once upon a time", seed=s, **kw).tokens) for s in range(1, 5)}
+    assert len(others) > 1
+
+
+def test_chat_applies_template(llm):
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    text = llm.apply_chat_template(msgs)
+    assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    res = llm.chat(msgs, max_tokens=24, temperature=0)
+    assert res.prompt_tokens == llm.tokenize(text)
+    assert "4" in res.text
+    assert res.finish_reason == "stop"  # the model ends its turn with <|im_end|>
+
+
+def test_logits_matches_decode(llm):
+    toks = llm.tokenize("Hello there, general")
+    lg = llm.logits(toks)
+    assert lg.shape == (len(toks), llm.n_vocab)
+    llm.ctx.clear()
+    last = llm.ctx.decode(toks, seq_ids=0)[-1]
+    llm.ctx.clear()
+    np.testing.assert_array_equal(lg[-1], last)
+
+
+def test_bad_inputs(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("hi", max_tokens=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate("hi", max_tokens=4, temperature=-1)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate(list(range(600)), max_tokens=1)
+    assert llm.generate("hi", max_tokens=0).tokens == []
+
+
+def test_missing_model_file_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        LLM(tmp_path / "nope.gguf")
