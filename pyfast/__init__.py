@@ -15,6 +15,9 @@ _LAZY = {
     "load": "pyfast.llm",
     "SamplingParams": "pyfast.sampling",
     "GGUFError": "pyfast.gguf",
+    "Tokenizer": "pyfast.tokenizer",
+    "ChatTemplate": "pyfast.chat",
+    "Context": "pyfast.context",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
