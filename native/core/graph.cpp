@@ -192,8 +192,8 @@ int Graph::rope(int x, int pos, int n_dims, int mode, float freq_base, float fre
   if (a.shape.ndim != 3) fail("rope", "x must be [n_tokens, n_head, head_dim], got " + a.shape.str());
   if (p.shape.ndim != 1 || p.shape.dims[0] != a.shape.dims[0])
     fail("rope", "pos must be [n_tokens] = [" + std::to_string(a.shape.dims[0]) + "], got " + p.shape.str());
-  if (n_dims <= 0 || n_dims % 2 != 0 || n_dims > a.shape.dims[2])
-    fail("rope", "n_dims must be even and in [2, head_dim], got " + std::to_string(n_dims));
+  if (n_dims <= 0 || n_dims % 2 != 0 || n_dims > a.shape.dims[2] || n_dims > 1024)
+    fail("rope", "n_dims must be even and in [2, min(head_dim, 1024)], got " + std::to_string(n_dims));
   if (mode != ROPE_NORMAL && mode != ROPE_NEOX) fail("rope", "mode must be 0 (normal) or 2 (neox)");
   if (!(freq_base > 0.0f) || !(freq_scale > 0.0f)) fail("rope", "freq_base and freq_scale must be > 0");
   Node n = make_node(Op::rope, DType::F32, make_shape(DType::F32, dims_of(a)), {x, pos});

@@ -83,8 +83,10 @@ void cpu_cpy(const ComputeParams& p, Node& dst, const Node* const* src) {
   const bool inner_contig = dtype_is_quantized(a->dtype) || inner_stride(sa) == es || n == 1;
   int64_t r0, r1;
   split_range(nr, p.ith, p.nth, r0, r1);
-  std::vector<float> tmp((size_t)n);
-  std::vector<uint8_t> gather;
+  // Per-thread scratch that grows once and is reused across calls.
+  thread_local std::vector<float> tmp;
+  thread_local std::vector<uint8_t> gather;
+  if (dst.dtype != DType::F32 && a->dtype != dst.dtype && tmp.size() < (size_t)n) tmp.resize((size_t)n);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* x = a->data + row_offset(sa, r);
     if (!inner_contig) {
@@ -133,7 +135,7 @@ void cpu_set_rows(const ComputeParams& p, Node& dst, const Node* const* src) {
   const int64_t row_elems = s->shape.numel() / n;
   int64_t r0, r1;
   split_range(n, p.ith, p.nth, r0, r1);
-  std::vector<float> tmp;
+  thread_local std::vector<float> tmp;
   for (int64_t r = r0; r < r1; ++r) {
     const int32_t row = *reinterpret_cast<const int32_t*>(idx->data + r * idx->shape.strides[0]);
     if (row < 0 || row >= R) continue;
