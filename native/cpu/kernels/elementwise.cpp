@@ -112,7 +112,14 @@ void cpu_get_rows(const ComputeParams& p, Node& dst, const Node* const* src) {
   const int64_t n_ids = ids->shape.dims[0];
   const int64_t V = t->shape.dims[0];
   const int64_t row_elems = t->shape.numel() / V;
-  // Rows of the table may have inner structure (e.g. [V, H, D]); they are contiguous.
+  // A table row is dims[1:]; it is read as runs of its innermost dim, which may be strided
+  // (e.g. a permuted [V, H, D] view) but is itself contiguous.
+  Shape inner = t->shape;
+  inner.ndim = t->shape.ndim - 1;
+  for (int k = 0; k < inner.ndim; ++k) { inner.dims[k] = t->shape.dims[k + 1]; inner.strides[k] = t->shape.strides[k + 1]; }
+  const bool contiguous = is_contiguous(t->dtype, inner);
+  const int64_t n_inner = inner.dims[inner.ndim - 1];
+  const int64_t runs = row_elems / n_inner;
   int64_t r0, r1;
   split_range(n_ids, p.ith, p.nth, r0, r1);
   for (int64_t r = r0; r < r1; ++r) {
@@ -122,7 +129,12 @@ void cpu_get_rows(const ComputeParams& p, Node& dst, const Node* const* src) {
       std::memset(o, 0, (size_t)row_elems * 4);
       continue;
     }
-    row_to_f32(t->dtype, t->data + (int64_t)id * t->shape.strides[0], o, row_elems);
+    const uint8_t* row = t->data + (int64_t)id * t->shape.strides[0];
+    if (contiguous) {
+      row_to_f32(t->dtype, row, o, row_elems);
+    } else {
+      for (int64_t q = 0; q < runs; ++q) row_to_f32(t->dtype, row + row_offset(inner, q), o + q * n_inner, n_inner);
+    }
   }
 }
 

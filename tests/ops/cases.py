@@ -1,0 +1,267 @@
+"""Every op case, declared once as data: op, leaf arguments (shape, dtype, values, layout),
+params and tolerance. test_ops.py runs each one for every ISA this CPU has and 1 and 3 threads.
+
+Shapes use odd sizes (1, 7, 33, 65) on purpose: they straddle SIMD widths, block sizes and the
+kernels' tiles (matmul: 16 weight rows x 64 activation rows per work item; attention: 8 query
+rows per tile). Layouts make the op read strided memory: permuted(...) views and padded(...)
+views into a larger input (whose memory outside the view is NaN).
+
+ACCEPTS lists, for each op and argument (or "out" for cpy's target dtype), the dtypes the op
+accepts; test_ops.test_dtype_coverage checks every one of them has a case.
+"""
+from __future__ import annotations
+
+from .harness import (
+    BF16, EXACT, F16, F32, I32, Q4_0, Q4_1, Q8_0, QUANT, TOL_F32, TOL_QMM, WEIGHT_TYPES,
+    CONTIG, Arg, Case, Tol, causal_mask, choice, fixed, ints, kv_mask, normal, padded, permutation, permuted,
+)
+
+FLOATS = (F32, F16, BF16)
+QUANTS = (Q8_0, Q4_0, Q4_1)
+
+ACCEPTS = {
+    "get_rows": {0: set(WEIGHT_TYPES), 1: {I32}},
+    "matmul": {0: {F32}, 1: set(WEIGHT_TYPES)},
+    "add": {0: {F32}, 1: {F32}},
+    "mul": {0: {F32}, 1: {F32}},
+    "scale": {0: {F32}},
+    "rms_norm": {0: {F32}},
+    "rope": {0: {F32}, 1: {I32}},
+    "softmax": {0: {F32}, 1: {F32}},
+    "attention": {0: {F32}, 1: {F32, F16}, 2: {F32, F16}, 3: {F32}, 4: {I32}},
+    "silu": {0: {F32}},
+    "swiglu": {0: {F32}, 1: {F32}},
+    "set_rows": {0: set(WEIGHT_TYPES), 1: {F32}, 2: {I32}},
+    "cpy": {0: set(WEIGHT_TYPES), "out": set(WEIGHT_TYPES)},
+    "argmax": {0: {F32}},
+    "reshape": {0: {F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1}},
+    "view": {0: {F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1}},
+    "permute": {0: {F32, F16, BF16, I32}},
+}
+
+
+def _mm_tol(wt) -> Tol:
+    return TOL_QMM if wt in QUANT else TOL_F32
+
+
+def _cases() -> list[Case]:
+    C: list[Case] = []
+
+    # ---- get_rows: the decoded rows must equal the table's rows exactly -------------------
+    for dt, (V, D) in {F32: (33, 7), F16: (65, 33), BF16: (7, 65), Q8_0: (33, 64),
+                       Q4_0: (7, 96), Q4_1: (65, 32)}.items():
+        C.append(Case("get_rows", (Arg((V, D), dt), Arg((9,), I32, ints(0, V))), tol=EXACT))
+    C += [
+        Case("get_rows", (Arg((5, 32), F32), Arg((1,), I32, fixed([4]))), tol=EXACT),
+        Case("get_rows", (Arg((7, 3, 32), F32), Arg((5,), I32, fixed([6, 0, 6, 3, 1]))), tol=EXACT),
+        Case("get_rows", (Arg((7, 3, 32), Q8_0), Arg((4,), I32, fixed([0, 6, 2, 2]))), tol=EXACT),
+        # strided table rows (a view of every row of a wider table) and strided ids
+        Case("get_rows", (Arg((9, 33), F32, layout=padded((2, 7))), Arg((6,), I32, ints(0, 9))), tol=EXACT),
+        Case("get_rows", (Arg((9, 64), Q4_0, layout=padded((3, 64))), Arg((6,), I32, ints(0, 9))), tol=EXACT),
+        Case("get_rows", (Arg((9, 65), F16, layout=padded((1, 0))),
+                          Arg((7,), I32, ints(0, 9), layout=padded((3,), step=2))), tol=EXACT),
+        # a 3-D table whose rows [H, D] are not contiguous (permuted from [H, V, D])
+        Case("get_rows", (Arg((7, 3, 32), F32, layout=permuted(1, 0, 2)), Arg((4,), I32, fixed([6, 0, 3, 3]))),
+             tol=EXACT, label="table_rows_noncontig"),
+    ]
+
+    # ---- matmul: x[..., K] @ w[N, K].T for every weight dtype --------------------------------
+    for wt in WEIGHT_TYPES:
+        Ks = (32, 96, 288) if wt in QUANT else (1, 33, 300)
+        for (M, N), K in zip(((1, 1), (7, 33), (33, 65)), Ks):
+            C.append(Case("matmul", (Arg((M, K)), Arg((N, K), wt, normal(0.5))), tol=_mm_tol(wt)))
+        K = 64 if wt in QUANT else 65
+        C += [
+            # batched 3-D / 4-D activations, a permuted x (inner dim contiguous) and strided rows
+            Case("matmul", (Arg((2, 5, K)), Arg((7, K), wt)), tol=_mm_tol(wt)),
+            Case("matmul", (Arg((5, 3, K), layout=permuted(1, 0, 2)), Arg((17, K), wt)), tol=_mm_tol(wt)),
+            Case("matmul", (Arg((9, K), layout=padded((2, 32))), Arg((16, K), wt, layout=padded((3, 0)))),
+                 tol=_mm_tol(wt)),
+        ]
+    C += [
+        Case("matmul", (Arg((2, 1, 3, 64)), Arg((5, 64), F16)), tol=TOL_F32),
+        Case("matmul", (Arg((64,)), Arg((7, 64), Q8_0)), tol=TOL_QMM),  # 1-D x
+        # rows starting 4 bytes past a 64-byte boundary (no alignment assumptions in the kernels)
+        Case("matmul", (Arg((5, 64), layout=padded((1, 3), start=(0, 1))), Arg((9, 64), Q8_0)), tol=TOL_QMM),
+        Case("matmul", (Arg((5, 37), layout=padded((1, 3), start=(0, 1))),
+                        Arg((9, 37), F16, layout=padded((1, 1), start=(0, 1)))), tol=TOL_F32),
+        Case("matmul", (Arg((2, 3, 4, 64), layout=permuted(2, 0, 1, 3)), Arg((5, 64), Q4_0)), tol=TOL_QMM),
+        Case("matmul", (Arg((2, 3, 4, 33), layout=permuted(1, 2, 0, 3)), Arg((5, 33), BF16)), tol=TOL_F32),
+        Case("matmul", (Arg((65, 64)), Arg((33, 64), Q4_1)), tol=TOL_QMM),  # > one 64-row tile
+        Case("matmul", (Arg((3, 1024), normal(3.0)), Arg((7, 1024), Q8_0, normal(0.02))), tol=TOL_QMM),
+        Case("matmul", (Arg((4, 64), normal(1.0, 5.0)), Arg((9, 64), Q4_1, normal(0.1, 0.3))), tol=TOL_QMM),
+    ]
+
+    # ---- elementwise with broadcasting ------------------------------------------------------
+    for op in ("add", "mul"):
+        C += [
+            Case(op, (Arg((7, 33)), Arg((7, 33)))),
+            Case(op, (Arg((7, 33)), Arg((33,)))),
+            Case(op, (Arg((7, 33)), Arg((7, 1)))),
+            Case(op, (Arg((1,)), Arg((1,)))),
+            Case(op, (Arg((3, 5, 65)), Arg((5, 1)))),
+            Case(op, (Arg((2, 3, 5, 65)), Arg((1, 3, 1, 65)))),
+            Case(op, (Arg((5, 7, 3), layout=permuted(2, 0, 1)), Arg((7, 3)))),
+            Case(op, (Arg((7, 33), layout=padded((2, 5))), Arg((33,), layout=padded((4,), step=3)))),
+            Case(op, (Arg((6, 33)), Arg((6, 33), layout=permuted(1, 0)))),
+        ]
+    C += [
+        Case("scale", (Arg((7, 33)),), {"s": 0.5}),
+        Case("scale", (Arg((1,)),), {"s": -3.0}),
+        Case("scale", (Arg((5, 7, 3), layout=permuted(1, 2, 0)),), {"s": 0.1}),
+        Case("scale", (Arg((7, 65), layout=padded((1, 9), step=2)),), {"s": 1e-3}),
+    ]
+
+    # ---- rms_norm ---------------------------------------------------------------------------
+    C += [
+        Case("rms_norm", (Arg((1, 1)),), {"eps": 1e-6}),
+        Case("rms_norm", (Arg((7, 33)),), {"eps": 1e-5}),
+        Case("rms_norm", (Arg((3, 65), normal(10.0, 3.0)),), {"eps": 0.0}),
+        Case("rms_norm", (Arg((2, 3, 576)),), {"eps": 1e-5}),
+        Case("rms_norm", (Arg((7, 33), layout=permuted(1, 0)),), {"eps": 1e-6}),  # inner stride 28 B
+        Case("rms_norm", (Arg((4, 3, 17), layout=padded((1, 2, 4))),), {"eps": 1e-6}),
+        Case("rms_norm", (Arg((5, 8), normal(1e-3)),), {"eps": 1e-2}),
+    ]
+
+    # ---- rope -------------------------------------------------------------------------------
+    for mode in (0, 2):
+        C += [
+            Case("rope", (Arg((1, 1, 2)), Arg((1,), I32, fixed([3]))), {"n_dims": 2, "mode": mode}),
+            Case("rope", (Arg((2, 3, 10)), Arg((2,), I32, fixed([9, 40]))), {"n_dims": 6, "mode": mode}),
+            Case("rope", (Arg((2, 1, 1040)), Arg((2,), I32, fixed([5, 3000]))), {"n_dims": 1024, "mode": mode}),
+            Case("rope", (Arg((7, 3, 64)), Arg((7,), I32, ints(0, 4096))), {"n_dims": 64, "mode": mode}),
+            Case("rope", (Arg((5, 2, 80)), Arg((5,), I32, fixed([0, 1, 2, 100, 7]))),
+                 {"n_dims": 32, "mode": mode, "freq_base": 1e6, "freq_scale": 0.25}),
+            Case("rope", (Arg((7, 4, 32), layout=permuted(1, 0, 2)), Arg((7,), I32, ints(0, 64))),
+                 {"n_dims": 32, "mode": mode}),
+            Case("rope", (Arg((3, 2, 34), layout=padded((1, 1, 3), step=2)), Arg((3,), I32, ints(0, 9))),
+                 {"n_dims": 16, "mode": mode, "freq_base": 500.0}),
+        ]
+
+    # ---- softmax ----------------------------------------------------------------------------
+    C += [
+        Case("softmax", (Arg((7, 33)),)),
+        Case("softmax", (Arg((1, 1)),)),
+        Case("softmax", (Arg((7, 33), normal(5.0)),), {"scale": 0.125}),
+        Case("softmax", (Arg((7, 33)), Arg((7, 33), F32, kv_mask(0.5, full_rows=(3,))))),
+        Case("softmax", (Arg((5, 65)), Arg((65,), F32, kv_mask(0.2, bias=2.0))), {"scale": 0.3}),
+        Case("softmax", (Arg((3, 5, 65)), Arg((5, 65), F32, kv_mask(0.3)))),
+        Case("softmax", (Arg((6, 9)), Arg((6, 1), F32, normal()))),
+        Case("softmax", (Arg((33, 7), layout=permuted(1, 0)), Arg((33, 7), F32, kv_mask(0.3)))),
+        Case("softmax", (Arg((7, 33), layout=padded((1, 3))),
+                         Arg((7, 33), F32, kv_mask(0.3), layout=padded((2, 5))))),
+    ]
+
+    # ---- attention --------------------------------------------------------------------------
+    def att(T, Hq, Hkv, D, n_kv, kt=F32, vt=F32, Dv=None, mask=None, order=False, scale=None,
+            qlay=None, kvlay=None, label=""):
+        Dv = Dv or D
+        args = [
+            Arg((T, Hq, D), F32, layout=qlay or CONTIG),
+            Arg((n_kv, Hkv, D), kt, layout=kvlay or CONTIG),
+            Arg((n_kv, Hkv, Dv), vt, layout=kvlay or CONTIG),
+            Arg((T, n_kv), F32, mask or kv_mask(0.3)),
+        ]
+        if order:
+            args.append(Arg((n_kv,), I32, permutation()))
+        return Case("attention", tuple(args), {"scale": scale if scale is not None else D ** -0.5},
+                    label=label)
+
+    C += [
+        att(1, 1, 1, 8, 1, label="tiny"),
+        att(7, 4, 2, 64, 33, mask=causal_mask(26), label="causal_gqa2"),
+        att(7, 4, 2, 64, 33, kt=F16, vt=F16, mask=causal_mask(26), label="causal_f16"),
+        att(5, 6, 2, 32, 65, kt=F16, vt=F32, Dv=48, label="gqa3_mixed_dv48"),
+        att(9, 2, 2, 16, 17, mask=kv_mask(0.4, full_rows=(0, 5)), label="fully_masked_rows"),
+        att(4, 4, 1, 32, 33, mask=kv_mask(0.2, bias=3.0), order=True, label="bias_order_mqa"),
+        att(33, 2, 1, 64, 65, vt=F16, mask=causal_mask(32), order=True, label="t33_order"),
+        att(7, 4, 2, 32, 20, qlay=permuted(1, 0, 2), kvlay=padded((5, 1, 0)), label="strided_qkv"),
+        att(3, 8, 8, 128, 7, kt=F16, vt=F16, kvlay=padded((2, 2, 0)), scale=0.05, label="mha_d128_f16view"),
+        att(3, 2, 1, 20, 9, kt=F16, vt=F16, Dv=12, label="d20_dv12_f16"),
+    ]
+
+    # ---- silu / swiglu ----------------------------------------------------------------------
+    C += [
+        Case("silu", (Arg((7, 33), normal(3.0)),)),
+        Case("silu", (Arg((1,), F32, fixed([-2.5])),)),
+        Case("silu", (Arg((4, 65), normal(30.0)),)),
+        Case("silu", (Arg((5, 7), layout=permuted(1, 0)),)),
+        Case("silu", (Arg((3, 33), layout=padded((1, 2), step=2)),)),
+        Case("swiglu", (Arg((7, 33)), Arg((7, 33)))),
+        Case("swiglu", (Arg((2, 3, 65), normal(4.0)), Arg((2, 3, 65)))),
+        Case("swiglu", (Arg((9, 5), layout=permuted(1, 0)), Arg((9, 5), layout=padded((1, 1))))),
+    ]
+
+    # ---- set_rows (dst is an input here; sentinel tests with external buffers: test_quant) ----
+    for dt, (R, D) in {F32: (10, 33), F16: (9, 65), BF16: (7, 7), Q8_0: (8, 64), Q4_0: (8, 96),
+                       Q4_1: (5, 32)}.items():
+        C.append(Case("set_rows", (Arg((R, D), dt), Arg((3, D)), Arg((3,), I32, fixed([R - 1, 0, 2]))),
+                      tol=EXACT))
+    C += [
+        Case("set_rows", (Arg((6, 2, 32), F16), Arg((2, 64)), Arg((2,), I32, fixed([5, 1]))), tol=EXACT),
+        Case("set_rows", (Arg((9,), F16), Arg((3,)), Arg((3,), I32, fixed([8, 0, 4]))), tol=EXACT),
+        Case("set_rows", (Arg((6, 2, 32), Q8_0), Arg((1, 2, 32)), Arg((1,), I32, fixed([3]))), tol=EXACT),
+        Case("set_rows", (Arg((8, 33), F32), Arg((4, 33), layout=permuted(1, 0)),
+                          Arg((4,), I32, fixed([7, 3, 1, 0]))), tol=EXACT),
+        Case("set_rows", (Arg((8, 64), Q4_0), Arg((3, 64), layout=padded((1, 0), step=2)),
+                          Arg((3,), I32, fixed([2, 4, 6]), layout=padded((2,), step=2))), tol=EXACT),
+    ]
+
+    # ---- cpy: every (source, target) pair the op accepts ------------------------------------
+    for src in FLOATS:
+        for dst in WEIGHT_TYPES:
+            C.append(Case("cpy", (Arg((7, 64), src, normal(2.0)),), {"dtype": dst}, tol=EXACT))
+    for src in QUANTS:
+        C.append(Case("cpy", (Arg((5, 96), src),), {"dtype": F32}, tol=EXACT))
+    C += [
+        Case("cpy", (Arg((1, 32)),), {"dtype": Q4_1}, tol=EXACT),
+        Case("cpy", (Arg((3, 5, 33)),), {"dtype": F16}, tol=EXACT),
+        Case("cpy", (Arg((64, 7), layout=permuted(1, 0)),), {"dtype": F16}, tol=EXACT),
+        Case("cpy", (Arg((5, 7), F16, layout=permuted(1, 0)),), {"dtype": F16}, tol=EXACT),
+        Case("cpy", (Arg((3, 64), layout=permuted(1, 0)),), {"dtype": F32}, tol=EXACT),
+        Case("cpy", (Arg((5, 64), F32, layout=permuted(1, 0)),), {"dtype": Q8_0}, tol=EXACT),
+        Case("cpy", (Arg((2, 3, 64), F16, layout=permuted(1, 0, 2)),), {"dtype": Q4_0}, tol=EXACT),
+        Case("cpy", (Arg((4, 33), BF16, layout=padded((2, 3), step=2)),), {"dtype": F32}, tol=EXACT),
+        Case("cpy", (Arg((6, 64), Q4_1, layout=padded((2, 64))),), {"dtype": F32}, tol=EXACT),
+        Case("cpy", (Arg((4, 1), F32, normal(1e4)),), {"dtype": F16}, tol=EXACT),
+    ]
+
+    # ---- argmax (ties resolve to the first index, as numpy's) ---------------------------------
+    C += [
+        Case("argmax", (Arg((7, 33)),), tol=EXACT),
+        Case("argmax", (Arg((1, 1)),), tol=EXACT),
+        Case("argmax", (Arg((65,)),), tol=EXACT),
+        Case("argmax", (Arg((9, 65), F32, choice([-1.0, 0.0, 2.0])),), tol=EXACT, label="ties"),
+        Case("argmax", (Arg((33, 7), layout=permuted(1, 0)),), tol=EXACT),
+        Case("argmax", (Arg((3, 4, 33), normal(1.0, -50.0), layout=padded((1, 1, 4), step=2)),), tol=EXACT),
+    ]
+
+    # ---- view ops (no kernel: the output is read through the view's strides) -------------------
+    C += [
+        Case("reshape", (Arg((3, 7, 11)),), {"shape": (21, 11)}, tol=EXACT),
+        Case("reshape", (Arg((33,)),), {"shape": (3, 1, 11)}, tol=EXACT),
+        Case("reshape", (Arg((4, 6), F16),), {"shape": (24,)}, tol=EXACT),
+        Case("reshape", (Arg((4, 6), BF16),), {"shape": (2, 12)}, tol=EXACT),
+        Case("reshape", (Arg((5, 3), I32, ints(-9, 9)),), {"shape": (15,)}, tol=EXACT),
+        Case("reshape", (Arg((4, 64), Q8_0),), {"shape": (8, 32)}, tol=EXACT),
+        Case("reshape", (Arg((2, 96), Q4_0),), {"shape": (2, 3, 32)}, tol=EXACT),
+        Case("reshape", (Arg((3, 64), Q4_1),), {"shape": (6, 32)}, tol=EXACT),
+        Case("view", (Arg((7, 33)),), {"shape": (3, 5), "strides": (66, 2), "offset": 1}, tol=EXACT),
+        Case("view", (Arg((7, 33)),), {"shape": (7, 33)}, tol=EXACT),
+        Case("view", (Arg((5, 9), F16),), {"shape": (4, 2, 3), "strides": (9, 4, 1), "offset": 2}, tol=EXACT),
+        Case("view", (Arg((5, 9), BF16),), {"shape": (9,), "strides": (5,), "offset": 0}, tol=EXACT),
+        Case("view", (Arg((8, 6), I32, ints(0, 99)),), {"shape": (3, 2), "strides": (12, 1), "offset": 7},
+             tol=EXACT),
+        Case("view", (Arg((6, 64), Q4_0),), {"shape": (3, 32), "strides": (128, 1), "offset": 32}, tol=EXACT),
+        Case("view", (Arg((4, 96), Q8_0),), {"shape": (2, 64), "strides": (192, 1), "offset": 96}, tol=EXACT),
+        Case("view", (Arg((3, 64), Q4_1),), {"shape": (3, 32), "strides": (64, 1), "offset": 0}, tol=EXACT),
+        Case("permute", (Arg((2, 3, 5)),), {"axes": (2, 0, 1)}, tol=EXACT),
+        Case("permute", (Arg((2, 3, 1, 4)),), {"axes": (3, 1, 0, 2)}, tol=EXACT),
+        Case("permute", (Arg((7, 33), F16),), {"axes": (1, 0)}, tol=EXACT),
+        Case("permute", (Arg((3, 4, 5), BF16),), {"axes": (0, 2, 1)}, tol=EXACT),
+        Case("permute", (Arg((3, 4), I32, ints(-5, 5)),), {"axes": (1, 0)}, tol=EXACT),
+    ]
+    return C
+
+
+CASES: list[Case] = _cases()

@@ -1,0 +1,248 @@
+"""Batch invariance at op level (DESIGN §3): a row's result never depends on what else is in the
+batch, how the work is split over threads, or (for attention) which other cells share the KV
+buffer, given the same order of the row's own cells. Every check here is bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .harness import (
+    F16, F32, I32, ISAS, THREADS, WEIGHT_TYPES, N, QUANT, dname, encode, pool, run_matmul, using_isa,
+)
+
+# --------------------------------------------------------------------------------------------
+# matmul
+# --------------------------------------------------------------------------------------------
+
+
+def _mm_data(dt, M=65, N_=33):
+    K = 160 if dt in QUANT else 77
+    rng = np.random.default_rng(100 + int(dt.value))
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    return x, encode(rng.standard_normal((N_, K)) * 0.2, dt)
+
+
+def _same(a, b, what):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, what
+    diff = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
+    assert diff.size == 0, f"{what}: {diff.size} elements differ (first flat index {diff[0]})"
+
+
+@pytest.mark.parametrize("dt", WEIGHT_TYPES, ids=dname)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_row_alone_equals_row_in_batch(dt, isa):
+    x, w = _mm_data(dt)
+    full = {M: run_matmul(x[:M], w, dt, isa, 1) for M in (5, 64, 65)}
+    for m in (0, 3, 4, 37, 63, 64):
+        alone = run_matmul(x[m:m + 1], w, dt, isa, 1)[0]
+        for M, y in full.items():
+            if m < M:
+                _same(alone, y[m], f"{dname(dt)} {isa}: row {m} alone vs in M={M}")
+
+
+@pytest.mark.parametrize("dt", WEIGHT_TYPES, ids=dname)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_threads_do_not_change_results(dt, isa):
+    x, w = _mm_data(dt)
+    ref = run_matmul(x, w, dt, isa, 1)
+    for nt in THREADS[1:] + (2,):
+        _same(run_matmul(x, w, dt, isa, nt), ref, f"{dname(dt)} {isa}: {nt} threads vs 1")
+    _same(run_matmul(x[:1], w, dt, isa, 3)[0], ref[0], f"{dname(dt)} {isa}: M=1 with 3 threads")
+
+
+@pytest.mark.parametrize("dt", WEIGHT_TYPES, ids=dname)
+def test_matmul_strided_and_batched_rows(dt):
+    """Rows read through a strided view or a 3-D batch equal the same rows read contiguously."""
+    x, w = _mm_data(dt, M=12)
+    isa = ISAS[-1]
+    ref = run_matmul(x, w, dt, isa, 3)
+    K = x.shape[1]
+    big = np.full((12, 2 * K), np.nan, np.float32)
+    big[:, 5:5 + K] = x
+    g = N.Graph()
+    we = g.external("w", dt, [w.shape[0], K], w)
+    xv = g.view(g.input("big", F32, [12, 2 * K]), [12, K], [2 * K * 4, 4], 5 * 4)
+    g.output(g.matmul(xv, we), "strided")
+    g.output(g.matmul(g.permute(g.input("xt", F32, [4, 3, K]), [1, 0, 2]), we), "batched")
+    p = N.Plan(g, pool(3))
+    p.set_input("big", big)
+    p.set_input("xt", np.ascontiguousarray(x.reshape(3, 4, K).transpose(1, 0, 2)))
+    with using_isa(isa):
+        p.run()
+    _same(p.output("strided"), ref, "strided view")
+    _same(p.output("batched").reshape(12, -1), ref, "3-D permuted batch")
+
+
+@pytest.mark.parametrize("dt", tuple(QUANT), ids=dname)
+def test_quant_matmul_identical_across_isas(dt):
+    """quant.h: quantized results are bit-identical across scalar / avx2 / avx512."""
+    x, w = _mm_data(dt)
+    ref = run_matmul(x, w, dt, "scalar", 1)
+    for isa in ISAS[1:]:
+        _same(run_matmul(x, w, dt, isa, 3), ref, f"{dname(dt)}: {isa} vs scalar")
+
+
+@pytest.mark.parametrize("dt", (F32, F16, N.DType.BF16), ids=dname)
+def test_float_matmul_avx512_equals_scalar(dt):
+    """quant.h: float weights use 16 lanes in both scalar and avx512 (bit-identical)."""
+    if "avx512" not in ISAS:
+        pytest.skip("no avx512 on this CPU")
+    x, w = _mm_data(dt)
+    _same(run_matmul(x, w, dt, "avx512", 3), run_matmul(x, w, dt, "scalar", 1), f"{dname(dt)}: avx512 vs scalar")
+
+
+# --------------------------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------------------------
+
+HQ, HKV, D = 4, 2, 64
+N_OWN = 13   # cells of "our" sequence
+T_OWN = 5    # our tokens: positions N_OWN - T_OWN .. N_OWN - 1 (causal)
+
+
+def _attend(q, k, v, mask, order, kv_dt, isa, n_threads):
+    g = N.Graph()
+    T, n_kv = mask.shape
+    qt = g.input("q", F32, [T, HQ, D])
+    kt = g.input("k", kv_dt, [n_kv, HKV, D])
+    vt = g.input("v", kv_dt, [n_kv, HKV, D])
+    mt = g.input("mask", F32, [T, n_kv])
+    ot = g.input("order", I32, [n_kv]) if order is not None else None
+    g.output(g.attention(qt, kt, vt, mt, ot, 0.125), "o")
+    p = N.Plan(g, pool(n_threads))
+    p.set_input("q", np.ascontiguousarray(q, np.float32))
+    p.set_input("k", encode(k, kv_dt))
+    p.set_input("v", encode(v, kv_dt))
+    p.set_input("mask", np.ascontiguousarray(mask, np.float32))
+    if order is not None:
+        p.set_input("order", np.asarray(order, np.int32))
+    with using_isa(isa):
+        p.run()
+    return p.output("o")
+
+
+def _own_sequence(rng):
+    q = rng.standard_normal((T_OWN, HQ, D)).astype(np.float32)
+    k = rng.standard_normal((N_OWN, HKV, D)).astype(np.float32)
+    v = rng.standard_normal((N_OWN, HKV, D)).astype(np.float32)
+    pos = np.arange(N_OWN - T_OWN, N_OWN)
+    mask = np.where(np.arange(N_OWN)[None, :] <= pos[:, None], 0.0, -np.inf).astype(np.float32)
+    mask[:, ::3] += np.float32(-0.75)  # a finite bias on some visible cells (ALiBi-like)
+    return q, k, v, mask
+
+
+def _interleave(rng, q, k, v, mask, own_order):
+    """A 40-cell KV buffer holding our cells at scattered positions, another sequence's cells
+    (visible only to its own 3 tokens) and never-visible padding cells filled with NaN; a
+    batch of 8 tokens mixing both sequences. Returns inputs, the rows of our tokens and the
+    buffer order (our cells keep their relative order own_order; the others are interleaved)."""
+    n_kv, n_other, T = 40, 15, T_OWN + 3
+    slots = rng.permutation(n_kv)
+    own_slots, other_slots = np.sort(slots[:N_OWN]), slots[N_OWN:N_OWN + n_other]
+    K = np.full((n_kv, HKV, D), np.nan, np.float32)
+    V = np.full((n_kv, HKV, D), np.nan, np.float32)
+    K[own_slots], V[own_slots] = k, v
+    K[other_slots] = rng.standard_normal((n_other, HKV, D))
+    V[other_slots] = rng.standard_normal((n_other, HKV, D))
+    rows = np.sort(rng.choice(T, T_OWN, replace=False))
+    other_rows = np.setdiff1d(np.arange(T), rows)
+    Q = rng.standard_normal((T, HQ, D)).astype(np.float32)
+    Q[rows] = q
+    M = np.full((T, n_kv), -np.inf, np.float32)
+    M[np.ix_(rows, own_slots)] = mask
+    M[np.ix_(other_rows, other_slots)] = 0.0
+    # order: our cells in own_order (mapped to slots) with every other cell spliced in at random
+    ours = list(own_slots[own_order])
+    rest = [s for s in rng.permutation(n_kv) if s not in set(ours)]
+    order = []
+    for s in rest:
+        if ours and rng.random() < 0.5:
+            order.append(ours.pop(0))
+        order.append(s)
+    order += ours
+    return Q, K, V, M, rows, np.array(order, np.int32)
+
+
+@pytest.mark.parametrize("kv_dt", (F32, F16), ids=dname)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("use_order", (False, True), ids=("cell_order", "explicit_order"))
+def test_attention_rows_do_not_depend_on_the_batch(kv_dt, isa, use_order):
+    rng = np.random.default_rng(21)
+    q, k, v, mask = _own_sequence(rng)
+    own_order = rng.permutation(N_OWN) if use_order else np.arange(N_OWN)
+    order = own_order if use_order else None
+
+    batch = _attend(q, k, v, mask, order, kv_dt, isa, 1)
+    assert np.all(np.isfinite(batch))
+    # each token alone (T = 1)
+    for t in range(T_OWN):
+        alone = _attend(q[t:t + 1], k, v, mask[t:t + 1], order, kv_dt, isa, 1)
+        _same(alone[0], batch[t], f"token {t} alone vs in a batch of {T_OWN}")
+    # more threads
+    for nt in THREADS[1:]:
+        _same(_attend(q, k, v, mask, order, kv_dt, isa, nt), batch, f"{nt} threads vs 1")
+    # interleaved with another sequence's cells and tokens, plus NaN padding cells
+    Q, K, V, M, rows, big_order = _interleave(rng, q, k, v, mask, own_order)
+    if not use_order:
+        # without an explicit order the buffer's cell order is used: our cells are ascending
+        big_order = None
+    for nt in THREADS:
+        mixed = _attend(Q, K, V, M, big_order, kv_dt, isa, nt)
+        _same(mixed[rows], batch, f"interleaved buffer + mixed batch ({nt} threads)")
+
+
+@pytest.mark.parametrize("kv_dt", (F32, F16), ids=dname)
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_order_is_the_walk_order(kv_dt, isa):
+    """Walking the cells in `order` is the same computation as storing them in that order: bit
+    for bit (and, for a non-trivial order, not what the plain cell order gives)."""
+    rng = np.random.default_rng(13)
+    q, k, v, mask = _own_sequence(rng)
+    perm = rng.permutation(N_OWN)
+    with_order = _attend(q, k, v, mask, perm, kv_dt, isa, 3)
+    stored = _attend(q, k[perm], v[perm], mask[:, perm], None, kv_dt, isa, 1)
+    _same(with_order, stored, "order vs physically permuted cells")
+    plain = _attend(q, k, v, mask, None, kv_dt, isa, 1)
+    np.testing.assert_allclose(with_order, plain, rtol=1e-4, atol=1e-5)
+    assert not np.array_equal(with_order, plain), "order had no effect on the summation order"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_padding_cells_are_never_read(isa):
+    """Cells masked for every row may hold anything (NaN): the result equals the unpadded one."""
+    rng = np.random.default_rng(5)
+    q, k, v, mask = _own_sequence(rng)
+    ref = _attend(q, k, v, mask, None, F32, isa, 1)
+    pad = 19
+    Kp = np.concatenate([k, np.full((pad, HKV, D), np.nan, np.float32)])
+    Vp = np.concatenate([v, np.full((pad, HKV, D), np.nan, np.float32)])
+    Mp = np.concatenate([mask, np.full((T_OWN, pad), -np.inf, np.float32)], axis=1)
+    _same(_attend(q, Kp, Vp, Mp, None, F32, isa, 3), ref, "padded n_kv")
+
+
+# --------------------------------------------------------------------------------------------
+# row reductions
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ("rms_norm", "softmax"))
+@pytest.mark.parametrize("isa", ISAS)
+def test_row_reductions_do_not_depend_on_the_batch(op, isa):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((37, 129)).astype(np.float32)
+
+    def run(a, nt):
+        g = N.Graph()
+        t = g.input("x", F32, list(a.shape))
+        g.output(g.rms_norm(t, 1e-6) if op == "rms_norm" else g.softmax(t, None, 0.7), "y")
+        p = N.Plan(g, pool(nt))
+        p.set_input("x", a)
+        with using_isa(isa):
+            p.run()
+        return p.output("y")
+
+    full = run(x, 3)
+    for r in (0, 17, 36):
+        _same(run(x[r:r + 1], 1)[0], full[r], f"{op} row {r} alone vs in batch")
