@@ -1,0 +1,230 @@
+// Matmul kernel benchmark: GB/s of weight reading at M = 1 (generation) and GFLOP/s at M = 512
+// (prompt processing) for each weight dtype, SmolLM2-135M shapes, 1 and 2 threads.
+//
+//   bench_matmul [--isa scalar|avx2|avx512] [--threads 1,2] [--cold] [--min-time 0.3]
+//                [--dtypes Q4_0,Q4_1,Q8_0,F16,BF16,F32] [--m 1,512] [--no-avxvnni]
+//
+// Calls are timed in batches inside one ThreadPool::run with a barrier after each call (as a
+// plan replays ops), so thread wake-up cost is not counted per call.
+// "hot": one weight matrix, reused every call (L2/L3 resident when it fits).
+// --cold: additionally cycles through enough copies of the weight (>= 512 MiB) that every call
+//         streams it from DRAM, like generation over a whole model.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cpu/quant/quant.h"
+#include "pyfast/cpu.h"
+#include "pyfast/threadpool.h"
+
+using namespace pyfast;
+
+namespace {
+
+struct Shape2 { int64_t K, N; const char* what; };
+
+size_t row_bytes(DType t, int64_t n) {
+  switch (t) {
+    case DType::F32: return (size_t)n * 4;
+    case DType::F16: case DType::BF16: return (size_t)n * 2;
+    case DType::Q4_0: return (size_t)(n / 32) * 18;
+    case DType::Q4_1: return (size_t)(n / 32) * 20;
+    case DType::Q8_0: return (size_t)(n / 32) * 34;
+    default: return 0;
+  }
+}
+
+const char* tname(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::F16: return "F16";
+    case DType::BF16: return "BF16";
+    case DType::Q4_0: return "Q4_0";
+    case DType::Q4_1: return "Q4_1";
+    case DType::Q8_0: return "Q8_0";
+    default: return "?";
+  }
+}
+
+bool parse_dtype(const std::string& s, DType& t) {
+  const std::pair<const char*, DType> all[] = {{"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16},
+                                               {"Q4_0", DType::Q4_0}, {"Q4_1", DType::Q4_1}, {"Q8_0", DType::Q8_0}};
+  for (auto& p : all)
+    if (s == p.first) { t = p.second; return true; }
+  return false;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+struct AlignedBuf {
+  uint8_t* p = nullptr;
+  explicit AlignedBuf(size_t n) {
+    if (posix_memalign((void**)&p, 64, n ? n : 64) != 0) std::abort();
+  }
+  ~AlignedBuf() { std::free(p); }
+};
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CpuIsa isa = cpu_best_isa();
+  std::vector<int> threads = {1, 2};
+  std::vector<int64_t> Ms = {1, 512};
+  bool cold = false;
+  double min_time = 0.3;
+  std::vector<DType> dtypes = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16, DType::BF16, DType::F32};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const char* v = i + 1 < argc ? argv[i + 1] : "";
+    if (a == "--isa") {
+      const std::string s = v;
+      isa = s == "scalar" ? CpuIsa::scalar : s == "avx2" ? CpuIsa::avx2 : s == "avx512" ? CpuIsa::avx512 : isa;
+      ++i;
+    } else if (a == "--threads") {
+      threads.clear();
+      for (auto& t : split(v)) threads.push_back(std::atoi(t.c_str()));
+      ++i;
+    } else if (a == "--m") {
+      Ms.clear();
+      for (auto& t : split(v)) Ms.push_back(std::atoll(t.c_str()));
+      ++i;
+    } else if (a == "--dtypes") {
+      dtypes.clear();
+      for (auto& t : split(v)) {
+        DType d;
+        if (parse_dtype(t, d)) dtypes.push_back(d);
+      }
+      ++i;
+    } else if (a == "--cold") {
+      cold = true;
+    } else if (a == "--no-avxvnni") {
+      mm::avx2_use_vnni(false);  // avx2 path: plain maddubs instead of AVX-VNNI
+    } else if (a == "--min-time") {
+      min_time = std::atof(v);
+      ++i;
+    } else {
+      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--min-time s] [--no-avxvnni]\n", argv[0]);
+      return 2;
+    }
+  }
+  set_cpu_isa(isa);  // throws if unavailable
+  std::printf("isa=%s%s  (GB/s = weight bytes / time; GFLOP/s = 2*M*N*K / time; best of runs >= %.2fs)\n",
+              cpu_isa_name(isa), isa == CpuIsa::avx2 ? (mm::avx2_uses_vnni() ? "+avxvnni" : " (no avxvnni)") : "",
+              min_time);
+  std::printf("%-5s %-22s %5s %3s %6s %10s %9s %9s\n", "dtype", "shape (K->N)", "M", "thr", "mode", "us/call", "GB/s", "GFLOP/s");
+
+  const Shape2 shapes[] = {{576, 1536, "576->1536 (ffn up)"}, {1536, 576, "1536->576 (ffn down)"},
+                           {576, 49152, "576->49152 (lm_head)"}};
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+
+  for (DType wt : dtypes) {
+    for (const Shape2& sh : shapes) {
+      const int64_t K = sh.K, N = sh.N;
+      const size_t wbytes = row_bytes(wt, K) * (size_t)N;
+      // weights (one reference copy, replicated for cold runs)
+      AlignedBuf w0(wbytes);
+      {
+        std::vector<float> row((size_t)K);
+        for (int64_t n = 0; n < N; ++n) {
+          for (float& v : row) v = nd(rng) * 0.05f;
+          quantize_row_ref(wt, row.data(), w0.p + row_bytes(wt, K) * (size_t)n, K);
+        }
+      }
+      int ncopies = 1;
+      std::unique_ptr<AlignedBuf> wc;
+      if (cold) {
+        ncopies = (int)std::max<size_t>(2, ((size_t)512 << 20) / wbytes + 1);
+        wc.reset(new AlignedBuf(wbytes * (size_t)ncopies));
+        for (int c = 0; c < ncopies; ++c) std::memcpy(wc->p + wbytes * (size_t)c, w0.p, wbytes);
+      }
+      for (int64_t M : Ms) {
+        AlignedBuf xb((size_t)(M * K) * 4), yb((size_t)(M * N) * 4);  // 64-byte aligned, like the arena
+        float* x = reinterpret_cast<float*>(xb.p);
+        float* y = reinterpret_cast<float*>(yb.p);
+        for (int64_t i = 0; i < M * K; ++i) x[i] = nd(rng);
+        Node xn, wn, yn;
+        xn.dtype = DType::F32;
+        xn.shape.ndim = 2;
+        xn.shape.dims = {M, K, 0, 0};
+        xn.shape.strides = {K * 4, 4, 0, 0};
+        xn.data = (uint8_t*)x;
+        wn.dtype = wt;
+        wn.shape.ndim = 2;
+        wn.shape.dims = {N, K, 0, 0};
+        wn.shape.strides = {(int64_t)row_bytes(wt, K), wt == DType::F32 ? 4 : 2, 0, 0};
+        yn.dtype = DType::F32;
+        yn.shape.ndim = 2;
+        yn.shape.dims = {M, N, 0, 0};
+        yn.shape.strides = {N * 4, 4, 0, 0};
+        yn.data = (uint8_t*)y;
+        for (int nth : threads) {
+          ThreadPool pool(nth);
+          const Node* src[2] = {&xn, &wn};
+          const size_t ws = cpu_matmul_work_size(yn, src, nth);
+          AlignedBuf wd(ws + 64);
+          for (int mode = 0; mode < (cold && M == 1 ? 2 : 1); ++mode) {
+            // One pool.run executes `inner` back-to-back calls separated by barriers, as a plan
+            // replays its ops; the per-call time is the run's time / inner.
+            auto batch = [&](int inner, int first_copy) {
+              pool.run([&](int ith) {
+                Node wl = wn;  // per-thread copy: the weight pointer changes per call in cold mode
+                const Node* s2[2] = {&xn, &wl};
+                ComputeParams p;
+                p.ith = ith;
+                p.nth = nth;
+                p.wdata = wd.p;
+                p.wsize = ws;
+                p.pool = &pool;
+                p.isa = isa;
+                for (int r = 0; r < inner; ++r) {
+                  wl.data = mode == 1 ? wc->p + wbytes * (size_t)((first_copy + r) % ncopies) : w0.p;
+                  cpu_matmul(p, yn, s2);
+                  p.barrier();
+                }
+              });
+            };
+            const double flops = 2.0 * (double)M * N * K;
+            int inner = (int)std::max(1.0, std::min(1000.0, 2e-3 / std::max(flops / 50e9, (double)wbytes / 20e9)));
+            batch(1, 0);  // warm up
+            double best = 1e30, t_total = 0;
+            int reps = 0, copy = 0;
+            while (t_total < min_time || reps < 3) {
+              const double t0 = now();
+              batch(inner, copy);
+              const double dt = now() - t0;
+              copy = (copy + inner) % ncopies;
+              best = std::min(best, dt / inner);
+              t_total += dt;
+              ++reps;
+              if (reps > 100000) break;
+            }
+            const double gbs = (double)wbytes / best / 1e9;
+            const double gflops = 2.0 * (double)M * N * K / best / 1e9;
+            std::printf("%-5s %-22s %5lld %3d %6s %10.1f %9.2f %9.1f\n", tname(wt), sh.what, (long long)M, nth,
+                        mode ? "cold" : "hot", best * 1e6, gbs, gflops);
+            std::fflush(stdout);
+          }
+        }
+      }
+    }
+  }
+  return 0;
+}

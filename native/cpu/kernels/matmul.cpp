@@ -1,0 +1,169 @@
+// matmul: dst[..., M, N] = x[..., M, K] @ w[N, K].T  (x f32, w F32/F16/BF16/Q4_0/Q4_1/Q8_0).
+//
+// Quantized weights: the activation rows are quantized once per op into the shared scratch
+// (split over threads by rows), then after a barrier the output is split into work items of
+// up to 16 weight rows x 64 activation rows; each thread takes a contiguous range of items
+// (weight-chunk major, so a thread reuses its weight rows from cache across row chunks).
+// Float weights read x in place (no barrier). Each output element is computed by exactly one
+// kernel call with a fixed per-pair reduction order (see cpu/quant/quant.h), so results do not
+// depend on M, the thread count or the tiling.
+#include <cstdint>
+
+#include "cpu/quant/quant.h"
+#include "pyfast/cpu.h"
+
+namespace pyfast {
+
+namespace {
+
+constexpr size_t kAlign = 64;
+inline size_t align_up(size_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
+
+struct QLayout {
+  int64_t R = 0, K = 0, nb = 0;
+  size_t q = 0, d = 0, s = 0, f = 0, scratch = 0, scratch_per_thread = 0, total = 0;
+};
+
+QLayout qlayout(int64_t R, int64_t K, int nth) {
+  QLayout L;
+  L.R = R;
+  L.K = K;
+  L.nb = K / QK;
+  const int64_t R4 = (R + 3) & ~(int64_t)3;
+  size_t off = 0;
+  L.q = off;
+  off = align_up(off + (size_t)(R * K));
+  const size_t meta = (size_t)(R4 * L.nb) * 4;  // bytes of one f32/i32 meta array
+  L.d = off;
+  off = align_up(off + meta);
+  L.s = off;
+  off = align_up(off + meta);
+  L.f = off;
+  off = align_up(off + meta);
+  L.scratch = off;
+  L.scratch_per_thread = align_up(mm::qjob_scratch_floats(L.nb) * sizeof(float));
+  off += L.scratch_per_thread * (size_t)(nth > 0 ? nth : 1);
+  L.total = off;
+  return L;
+}
+
+// Rows of a tensor (all dims but the innermost; at most 3 of them).
+mm::RowView row_view(const Node& n) {
+  mm::RowView v;
+  v.base = n.data;
+  int64_t d[3] = {1, 1, 1}, s[3] = {0, 0, 0};
+  const int outer = n.shape.ndim - 1;
+  for (int i = 0; i < outer && i < 3; ++i) {
+    d[2 - i] = n.shape.dims[outer - 1 - i];
+    s[2 - i] = n.shape.strides[outer - 1 - i];
+  }
+  v.d0 = d[0];
+  v.d1 = d[1];
+  v.d2 = d[2];
+  v.s0 = s[0];
+  v.s1 = s[1];
+  v.s2 = s[2];
+  v.finalize();
+  return v;
+}
+
+int64_t n_rows(const Node& n) {
+  int64_t r = 1;
+  for (int i = 0; i < n.shape.ndim - 1; ++i) r *= n.shape.dims[i];
+  return r;
+}
+
+bool is_quant(DType t) { return t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q8_0; }
+
+}  // namespace
+
+bool matmul_weight_supported(DType t) {
+  return is_quant(t) || t == DType::F32 || t == DType::F16 || t == DType::BF16;
+}
+
+size_t cpu_matmul_work_size(const Node& dst, const Node* const* src, int nth) {
+  (void)dst;
+  const Node& x = *src[0];
+  const Node& w = *src[1];
+  if (!is_quant(w.dtype)) return 0;
+  return qlayout(n_rows(x), x.shape.dims[x.shape.ndim - 1], nth).total + kAlign;
+}
+
+void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node& x = *src[0];
+  const Node& w = *src[1];
+  const int64_t K = x.shape.dims[x.shape.ndim - 1];
+  const int64_t N = w.shape.dims[0];
+  const int64_t R = n_rows(x);
+  const mm::RowView xv = row_view(x);
+  const mm::RowView yv = row_view(dst);
+  CpuIsa isa = p.isa;
+  if (isa != CpuIsa::avx2 && isa != CpuIsa::avx512) isa = CpuIsa::scalar;  // neon: reference for now
+
+  const int64_t cn = mm::kChunkN;
+  const int64_t n_nc = (N + cn - 1) / cn;
+  const int64_t n_mc = (R + mm::kChunkM - 1) / mm::kChunkM;
+  int64_t it0, it1;
+  split_range(n_nc * n_mc, p.ith, p.nth, it0, it1);
+
+  if (is_quant(w.dtype)) {
+    const QLayout L = qlayout(R, K, p.nth);
+    uint8_t* base = (uint8_t*)(((uintptr_t)p.wdata + kAlign - 1) & ~(uintptr_t)(kAlign - 1));
+    mm::ActQ a;
+    a.q = reinterpret_cast<int8_t*>(base + L.q);
+    a.d = reinterpret_cast<float*>(base + L.d);
+    a.s = reinterpret_cast<int32_t*>(base + L.s);
+    a.f = reinterpret_cast<float*>(base + L.f);
+    a.K = K;
+    a.nb = L.nb;
+    // Phase 1: quantize this thread's activation rows.
+    auto quant = isa == CpuIsa::avx512 ? mm::quant_act_avx512
+               : isa == CpuIsa::avx2   ? mm::quant_act_avx2
+                                       : mm::quant_act_scalar;
+    int64_t r0, r1;
+    split_range(R, p.ith, p.nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+      const size_t mi = a.meta(r, 0);
+      quant(reinterpret_cast<const float*>(xv.row(r)), const_cast<int8_t*>(a.q) + r * K,
+            const_cast<float*>(a.d) + mi, const_cast<int32_t*>(a.s) + mi, const_cast<float*>(a.f) + mi, L.nb);
+    }
+    p.barrier();
+    // Phase 2: this thread's work items.
+    auto gemm = isa == CpuIsa::avx512 ? mm::qgemm_avx512 : isa == CpuIsa::avx2 ? mm::qgemm_avx2 : mm::qgemm_scalar;
+    mm::QJob j;
+    j.wt = w.dtype;
+    j.w = w.data;
+    j.w_stride = w.shape.strides[0];
+    j.a = a;
+    j.y = yv;
+    j.scratch = reinterpret_cast<float*>(base + L.scratch + L.scratch_per_thread * (size_t)p.ith);
+    for (int64_t it = it0; it < it1; ++it) {
+      const int64_t nc = it / n_mc, mc = it % n_mc;
+      j.n0 = nc * cn;
+      j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
+      j.m0 = mc * mm::kChunkM;
+      j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
+      gemm(j);
+    }
+    return;
+  }
+
+  auto gemm = isa == CpuIsa::avx512 ? mm::fgemm_avx512 : isa == CpuIsa::avx2 ? mm::fgemm_avx2 : mm::fgemm_scalar;
+  mm::FJob j;
+  j.wt = w.dtype;
+  j.w = w.data;
+  j.w_stride = w.shape.strides[0];
+  j.x = xv;
+  j.K = K;
+  j.y = yv;
+  for (int64_t it = it0; it < it1; ++it) {
+    const int64_t nc = it / n_mc, mc = it % n_mc;
+    j.n0 = nc * cn;
+    j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
+    j.m0 = mc * mm::kChunkM;
+    j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
+    gemm(j);
+  }
+}
+
+}  // namespace pyfast
