@@ -7,4 +7,5 @@ namespace pyfast_py {
 void bind_core(pybind11::module_& m);   // dtypes, cpu features / isa, buffers
 void bind_graph(pybind11::module_& m);  // Graph, Tensor handles, Plan
 void bind_gguf(pybind11::module_& m);   // GGUFFile reader
+void bind_quant(pybind11::module_& m);  // tensor quantization (pyfast quantize)
 }  // namespace pyfast_py

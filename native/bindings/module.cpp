@@ -5,4 +5,5 @@ PYBIND11_MODULE(_native, m) {
   pyfast_py::bind_core(m);
   pyfast_py::bind_graph(m);
   pyfast_py::bind_gguf(m);
+  pyfast_py::bind_quant(m);
 }
