@@ -1,4 +1,5 @@
-"""llama-bench style throughput measurements: prompt processing (ppN) and generation (tgN)."""
+"""llama-bench style throughput measurements: prompt processing (ppN) and generation (tgN); and
+speculative decoding against plain decoding (``run_spec_bench``, ``pyfast bench --spec``)."""
 from __future__ import annotations
 
 import json
@@ -89,3 +90,7 @@ def format_results(results: list[BenchResult], fmt: str = "md") -> str:
         rows.append(f"| {r.model} | {r.size_mib:.2f} MiB | {r.n_params / 1e6:.2f} M | {r.backend} | {r.threads} "
                     f"| {r.test} | {r.tps_median:.2f} ± {r.tps_stdev:.2f} |")
     return "\n".join(rows)
+
+
+# Speculative decoding benchmarks (`pyfast bench --spec`) live with the proposers.
+from pyfast.spec.bench import SpecBenchRow, format_spec_results, run_spec_bench  # noqa: E402,F401

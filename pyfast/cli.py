@@ -1,4 +1,4 @@
-"""The ``pyfast`` command: generate, chat, perplexity, bench, info, pull."""
+"""The ``pyfast`` command: generate, chat, serve, perplexity, bench, info, pull, quantize."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,40 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def _add_spec(p: argparse.ArgumentParser, bench: bool = False) -> None:
+    """Speculative decoding flags (llama.cpp's names)."""
+    g = p.add_argument_group("speculative decoding")
+    if not bench:
+        g.add_argument("--spec-type", default=None,
+                       help="proposers, comma-separated in the order asked: ngram-simple, ngram-map-k, "
+                            "ngram-mod, draft-model (default: off; -md alone means draft-model)")
+    g.add_argument("-md", "--model-draft", default=None, help="draft model GGUF (same vocabulary as -m)")
+    g.add_argument("--draft-max", type=int, default=None,
+                   help="longest draft (default: 16 for n-gram proposers, 3 for a draft model)")
+    g.add_argument("--draft-min", type=int, default=None, help="discard drafts shorter than this")
+    g.add_argument("--draft-p-min", type=float, default=0.0,
+                   help="a draft model stops drafting when its top-1 probability is below this")
+    g.add_argument("--spec-adaptive", action="store_true",
+                   help="choose each round's draft length from measured verify costs and acceptance")
+
+
+def _spec_config(a, types: str | None = None):
+    """The SpecConfig the flags ask for (validated), or None when speculation is off."""
+    from pyfast.spec import SpecConfig
+
+    types = types if types is not None else getattr(a, "spec_type", None)
+    if types is not None and types.strip().lower() == "none":
+        types = None
+    if types is None and a.model_draft is None:
+        for flag, v in (("--draft-max", a.draft_max), ("--draft-min", a.draft_min)):
+            if v is not None:
+                raise ValueError(f"{flag} needs speculative decoding: give --spec-type or -md")
+        return None
+    cfg = SpecConfig(types=types or (), draft_model=a.model_draft, draft_max=a.draft_max,
+                     draft_min=a.draft_min, draft_p_min=a.draft_p_min, adaptive=a.spec_adaptive)
+    return cfg.validate(getattr(a, "ctx_size", None))
+
+
 def _sampling_kwargs(a) -> dict:
     return dict(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                 repeat_penalty=a.repeat_penalty, seed=a.seed)
@@ -30,13 +64,16 @@ def _sampling_kwargs(a) -> dict:
 def _load(a):
     from pyfast.llm import LLM
 
-    return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True)
+    spec = _spec_config(a)  # checked before the model loads
+    return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec)
 
 
 def _print_timings(res) -> None:
     t = res.timings
     print(f"\n[prompt: {t.n_prompt} tokens, {t.prompt_tps:.1f} t/s | generated: {t.n_gen} tokens, "
           f"{t.gen_tps:.1f} t/s | finish: {res.finish_reason}]", file=sys.stderr)
+    if getattr(res, "spec", None) is not None:
+        print(f"[speculative: {res.spec.summary()}]", file=sys.stderr)
 
 
 def _stream(it) -> object:
@@ -121,6 +158,12 @@ def cmd_pull(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from pyfast.server.main import serve_from_args
+
+    return serve_from_args(a)
+
+
 def cmd_bench(a) -> int:
     from pyfast.bench import format_results, run_bench
     from pyfast.context import default_threads
@@ -130,8 +173,41 @@ def cmd_bench(a) -> int:
         return [int(x) for x in s.split(",") if x.strip()]
 
     threads = ints(a.threads) if a.threads else [default_threads()]
+    if a.spec:
+        return _bench_spec(a, threads, ints(a.n_gen)[0] if a.n_gen else 256)
+    if a.n_gen is None:
+        a.n_gen = "128"
     res = run_bench(str(resolve_model(a.model)), ints(a.n_prompt), ints(a.n_gen), threads, reps=a.repetitions)
     print(format_results(res, a.output))
+    return 0
+
+
+def _bench_spec(a, threads: list[int], n_gen: int) -> int:
+    from pyfast.bench import format_spec_results, run_spec_bench
+    from pyfast.hub import resolve_model
+
+    a.ctx_size = a.ctx_size_spec
+    configs = []
+    for types in a.spec:
+        cfg = _spec_config(a, types)
+        if cfg is None:
+            raise ValueError(f"--spec {types!r}: give proposer names (plain decoding is always measured)")
+        configs.append((types + (" adaptive" if cfg.adaptive else ""), cfg))
+    rows = run_spec_bench(str(resolve_model(a.model)), configs, prompts=a.prompts, n_gen=n_gen,
+                          threads=threads, reps=a.repetitions, temperature=a.temp, n_ctx=a.ctx_size,
+                          log=lambda m: print(m, file=sys.stderr))
+    print(format_spec_results(rows, a.output))
+    return 0
+
+
+def cmd_quantize(a) -> int:
+    from pyfast.quantize import quantize
+
+    res = quantize(a.input, a.output, a.type, a.threads or 0, keep_quantized=not a.requantize_all,
+                   with_rmse=a.rmse, log=None if a.quiet else print)
+    counts = ", ".join(f"{k}: {v}" for k, v in sorted(res.type_counts().items()))
+    print(f"{a.output}: {res.in_bytes / 2**20:.1f} MiB -> {res.out_bytes / 2**20:.1f} MiB in "
+          f"{res.seconds:.1f} s ({counts})")
     return 0
 
 
@@ -142,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="complete a prompt (chat template applied unless --raw)")
     _add_model(p)
     _add_sampling(p)
+    _add_spec(p)
     p.add_argument("-p", "--prompt", default=None)
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -151,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive multi-turn chat (reads user turns from stdin)")
     _add_model(p)
     _add_sampling(p)
+    _add_spec(p)
     p.add_argument("--system", default=None)
     p.add_argument("-v", "--verbose", action="store_true", help="print timings after each reply")
     p.set_defaults(fn=cmd_chat)
@@ -165,15 +243,48 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="prompt processing / generation speed (llama-bench style)")
     p.add_argument("-m", "--model", default=None)
     p.add_argument("-p", "--n-prompt", default="512", help="comma-separated prompt sizes")
-    p.add_argument("-n", "--n-gen", default="128", help="comma-separated generation lengths")
+    p.add_argument("-n", "--n-gen", default=None,
+                   help="comma-separated generation lengths (default 128; with --spec: max tokens, 256)")
     p.add_argument("-t", "--threads", default=None, help="comma-separated thread counts")
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
+    p.add_argument("--spec", action="append", default=None, metavar="TYPES",
+                   help="benchmark speculative decoding with these comma-separated proposers against plain "
+                        "decoding in the same run (repeat for several configurations)")
+    p.add_argument("--prompts", default="copy",
+                   help="prompt set for --spec: copy (repeat/rewrite a passage or code), chat, all, or a file "
+                        "(.json list, or prompts separated by lines '---')")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature for --spec (0 = greedy)")
+    p.add_argument("-c", "--ctx-size", dest="ctx_size_spec", type=int, default=2048,
+                   help="context size for --spec")
+    _add_spec(p, bench=True)
     p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    from pyfast.server.main import add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("info", help="print a GGUF file's metadata and tensor table")
     p.add_argument("model_path", nargs="?", default=None)
     p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("quantize", help="re-quantize a GGUF model (llama-quantize's type mixes)")
+    p.add_argument("input", help="source GGUF file")
+    p.add_argument("output", help="destination GGUF file")
+    p.add_argument("type", type=str.upper, metavar="TYPE",
+                   help="file type: Q4_K_M, Q5_K_M, Q4_K_S, Q5_K_S, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                        "F16, BF16, F32 (see pyfast/quantize.py)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("--rmse", action="store_true", help="print each tensor's round-trip RMSE")
+    p.add_argument("--allow-requantize", action="store_true",
+                   help="accepted for llama-quantize compatibility (quantized sources are always allowed)")
+    p.add_argument("--requantize-all", action="store_true",
+                   help="quantized sources: use llama-quantize's exact per-tensor types even where the "
+                        "chosen type is not smaller than the source's (default: keep such tensors)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-tensor lines")
+    p.set_defaults(fn=cmd_quantize)
 
     p = sub.add_parser("pull", help="download a model into the cache")
     p.add_argument("name", nargs="?", default="smollm2")

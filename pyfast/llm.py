@@ -1,6 +1,7 @@
 """The high-level Python API: ``LLM`` (generate, chat, logits, perplexity, tokenize)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -12,6 +13,8 @@ import numpy as np
 from pyfast.context import Context
 from pyfast.models import Model
 from pyfast.sampling import Sampler, SamplingParams
+from pyfast.spec.config import SpecConfig
+from pyfast.spec.stats import SpecStats
 
 
 @dataclass
@@ -38,6 +41,7 @@ class GenerationResult:
     prompt_tokens: list[int]
     finish_reason: str  # "stop" (end of generation token or stop string) or "length"
     timings: Timings = field(default_factory=Timings)
+    spec: SpecStats | None = None  # speculative decoding statistics of this request (if used)
 
 
 @dataclass
@@ -61,10 +65,15 @@ class LLM:
 
     >>> llm = LLM()                       # the default model (SmolLM2-135M-Instruct Q4_1)
     >>> llm.generate("The capital of France is", max_tokens=8, temperature=0).text
+
+    speculative: a ``SpecConfig`` turns on speculative decoding for every generate call (pass
+    ``speculative=False`` to a call to decode plainly). Its settings and draft model are checked
+    here, before any decoding.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096,
-                 n_threads: int | None = None, n_ubatch: int = 512, verbose: bool = False):
+                 n_threads: int | None = None, n_ubatch: int = 512, verbose: bool = False,
+                 speculative: SpecConfig | None = None):
         from pyfast.chat import ChatTemplate
         from pyfast.hub import resolve_model
         from pyfast.tokenizer import Tokenizer
@@ -76,6 +85,17 @@ class LLM:
         self.chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=n_ubatch)
         self._cached: list[int] = []  # tokens of sequence 0 currently in the cache
+        self.speculative = speculative
+        self._spec = None        # SpecDecoder with the configured proposers
+        self._multi = None       # SpecDecoder without proposers (plain generate_batch)
+        if speculative is not None:
+            from pyfast.spec.config import make_proposers
+            from pyfast.spec.decoder import SpecDecoder
+
+            if not isinstance(speculative, SpecConfig):
+                raise ValueError(f"speculative must be a SpecConfig, got {type(speculative).__name__}")
+            props = make_proposers(speculative, self.model, n_ctx=n_ctx, n_threads=self.ctx.n_threads)
+            self._spec = SpecDecoder(self.ctx, props, speculative)
 
     # --- basics ----------------------------------------------------------------------------
     @property
@@ -85,6 +105,11 @@ class LLM:
     @property
     def n_vocab(self) -> int:
         return self.model.n_vocab
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Cumulative speculative decoding statistics over every request (None when off)."""
+        return self._spec.stats if self._spec is not None else None
 
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Text to token ids (special tokens such as <|im_start|> are parsed by default)."""
@@ -116,11 +141,14 @@ class LLM:
                  frequency_penalty: float | None = None, presence_penalty: float | None = None,
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  params: SamplingParams | None = None, add_bos: bool | None = None, special: bool = True,
-                 ignore_eos: bool = False, stream: bool = False):
+                 ignore_eos: bool = False, stream: bool = False, speculative: bool | None = None):
         """Complete a raw prompt (text or token ids).
 
         Returns a GenerationResult, or with stream=True an iterator of StreamChunk whose last
         chunk carries the full result. temperature <= 0 means greedy decoding.
+        speculative: None = as configured on the LLM, False = decode without speculation.
+        With speculation, greedy output is token-identical to plain decoding and sampled output
+        has the same distribution (not the same tokens for a given seed).
         """
         sp = _sampling_params(params, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
@@ -134,7 +162,7 @@ class LLM:
         if max_tokens is None or max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-        it = self._generate(ptoks, max_tokens, sp, stops, ignore_eos)
+        it = self._generate(ptoks, max_tokens, sp, stops, ignore_eos, self._use_spec(speculative))
         if stream:
             return it
         last = None
@@ -146,6 +174,115 @@ class LLM:
         """Generate the assistant's reply to a conversation using the model's chat template."""
         text = self.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate(text, max_tokens=max_tokens, **kwargs)
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_tokens: int = 128, *,
+                       temperature: float | None = None, top_k: int | None = None,
+                       top_p: float | None = None, min_p: float | None = None,
+                       repeat_penalty: float | None = None, frequency_penalty: float | None = None,
+                       presence_penalty: float | None = None, seed: int | None = None,
+                       stop: str | Sequence[str] | None = None, params: SamplingParams | None = None,
+                       add_bos: bool | None = None, special: bool = True, ignore_eos: bool = False,
+                       speculative: bool | None = None) -> list[GenerationResult]:
+        """Complete several prompts at once: every step decodes all unfinished sequences (and,
+        with speculation, all their verify batches) in ONE target decode.
+
+        The sequences share the context's cells (their prompts together must fit in n_ctx). Each
+        gets its own sampler, seeded ``seed + i`` when a seed is given. Greedy outputs equal
+        ``generate`` on each prompt alone. Clears the prompt cache of ``generate``.
+        """
+        from pyfast.memory.kv_cache import KVCacheFull
+        from pyfast.spec.decoder import SpecDecoder
+        from pyfast.tokenizer import StreamDecoder
+
+        sp = _sampling_params(params, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, seed=seed)
+        if max_tokens is None or max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        ptoks_all = [self.tokenize(p, add_bos=add_bos, special=special) if isinstance(p, str)
+                     else [int(t) for t in p] for p in prompts]
+        if not ptoks_all:
+            return []
+        for i, pt in enumerate(ptoks_all):
+            if not pt:
+                raise ValueError(f"generate_batch: prompt {i} is empty")
+            self._check_fits(len(pt))
+        total = sum(len(pt) for pt in ptoks_all)
+        if total + len(ptoks_all) > self.n_ctx:
+            raise ValueError(f"generate_batch: the prompts hold {total} tokens together, which with one "
+                             f"generated token each do not fit in the context ({self.n_ctx}); raise n_ctx")
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        dec = self._use_spec(speculative)
+        if dec is None:
+            if self._multi is None:
+                self._multi = SpecDecoder(self.ctx)
+            dec = self._multi
+        for old in list(dec.slots.values()):
+            dec.release(old)
+        self.ctx.clear()
+        self._cached = []
+
+        n = len(ptoks_all)
+        slots = []
+        for i, pt in enumerate(ptoks_all):
+            spi = sp if sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i)
+            slots.append(dec.add(i, pt, Sampler(spi, self.n_vocab)))
+        t0 = time.perf_counter()
+        first = dec.prefill(slots)
+        prompt_s = time.perf_counter() - t0
+        outs: list[list[int]] = [[] for _ in range(n)]
+        texts = [""] * n
+        decs = [StreamDecoder(self.tokenizer) for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        pending = [[dec.start(s, lg)] if max_tokens > 0 else [] for s, lg in zip(slots, first)]
+        t1 = time.perf_counter()
+        active = list(range(n))
+        try:
+            while active:
+                for i in active:
+                    for tok in pending[i]:
+                        if not ignore_eos and self.tokenizer.is_eog(tok):
+                            finish[i] = "stop"
+                            break
+                        outs[i].append(tok)
+                        before = len(texts[i])
+                        texts[i] += decs[i].feed(tok)
+                        hit = _find_stop(texts[i], stops, before)
+                        if hit is not None:
+                            texts[i] = texts[i][:hit]
+                            finish[i] = "stop"
+                            break
+                        if len(outs[i]) >= max_tokens or len(ptoks_all[i]) + len(outs[i]) >= self.n_ctx:
+                            finish[i] = "length"
+                            break
+                    if max_tokens <= 0:
+                        finish[i] = "length"
+                for i in active:
+                    if finish[i] is not None:  # free its cells for the others now
+                        dec.release(slots[i], n_keep=0)
+                active = [i for i in active if finish[i] is None]
+                if not active:
+                    break
+                for i in active:
+                    slots[i].n_remaining = max_tokens - len(outs[i])
+                new = dec.step([slots[i] for i in active])
+                for i, toks in zip(active, new):
+                    pending[i] = toks
+        except KVCacheFull:
+            for i in active:
+                finish[i] = "length"
+        gen_s = time.perf_counter() - t1
+        results = []
+        for i, s in enumerate(slots):
+            if finish[i] == "length":
+                texts[i] += decs[i].flush()
+            if s.seq in dec.slots:
+                dec.release(s, n_keep=0)
+            t = Timings(n_prompt=len(ptoks_all[i]), prompt_s=prompt_s, n_gen=len(outs[i]), gen_s=gen_s)
+            results.append(GenerationResult(text=texts[i], tokens=outs[i], prompt_tokens=ptoks_all[i],
+                                            finish_reason=finish[i] or "length", timings=t,
+                                            spec=s.stats if dec is self._spec else None))
+        return results
 
     def _check_fits(self, n: int) -> None:
         if n > self.n_ctx:
@@ -169,8 +306,23 @@ class LLM:
         self._cached = list(ptoks)
         return logits
 
+    def _use_spec(self, speculative: bool | None):
+        if speculative is None or speculative is True:
+            if speculative and self._spec is None:
+                raise ValueError("speculative=True needs an LLM created with speculative=SpecConfig(...)")
+            return self._spec
+        return None
+
+    def _plain_tokens(self, logits: np.ndarray, sampler: Sampler, history: list[int]) -> Iterator[int]:
+        """Plain decoding: sample, hand the token out (the consumer appends it to history), decode it."""
+        while True:
+            tok = sampler.sample(logits, history)
+            yield tok
+            self._cached.append(tok)
+            logits = self.ctx.decode([tok], positions=[len(history) - 1], seq_ids=0)[0]
+
     def _generate(self, ptoks: list[int], max_tokens: int, sp: SamplingParams, stops: list[str],
-                  ignore_eos: bool) -> Iterator[StreamChunk]:
+                  ignore_eos: bool, spec=None) -> Iterator[StreamChunk]:
         from pyfast.tokenizer import StreamDecoder
 
         self._check_fits(len(ptoks))
@@ -179,14 +331,24 @@ class LLM:
         sampler = Sampler(sp, self.n_vocab)
         history = list(ptoks)
         out: list[int] = []
+        slot = None
+        if max_tokens <= 0:
+            source: Iterator[int] = iter(())
+        elif spec is None:
+            source = self._plain_tokens(logits, sampler, history)
+        else:
+            if 0 in spec.slots:  # left over from an abandoned stream
+                spec.release(spec.slots[0])
+            slot = spec.add(0, ptoks, sampler)
+            spec.notify_prompt(slot, timings.n_prompt_cached)
+            source = spec.tokens(slot, logits, remaining=lambda: max_tokens - len(out))
         dec = StreamDecoder(self.tokenizer)
         text = ""        # all text generated so far
         emitted = 0      # chars of `text` already streamed
         hold = max((len(s) for s in stops), default=0)
         finish = "length"
         t0 = time.perf_counter()
-        while len(out) < max_tokens:
-            tok = sampler.sample(logits, history)
+        for tok in source:
             if not ignore_eos and self.tokenizer.is_eog(tok):
                 finish = "stop"
                 break
@@ -205,16 +367,20 @@ class LLM:
                 emitted = safe
             if len(out) >= max_tokens or len(history) >= self.n_ctx:
                 break
-            self._cached.append(tok)
-            logits = self.ctx.decode([tok], positions=[len(history) - 1], seq_ids=0)[0]
         if finish == "length":
             text += dec.flush()
         timings.gen_s = time.perf_counter() - t0
         timings.n_gen = len(out)
-        # The last sampled token is not in the cache; keep _cached in sync with the KV cache.
-        self._cached = self._cached[: self.ctx.seq_len(0)]
+        if slot is not None:
+            # A round may have accepted tokens past the stop: keep the cache to what was emitted.
+            keep = min(self.ctx.seq_len(0), len(history))
+            spec.release(slot, n_keep=keep)
+            self._cached = history[:keep]
+        else:
+            # The last sampled token is not in the cache; keep _cached in sync with the KV cache.
+            self._cached = self._cached[: self.ctx.seq_len(0)]
         result = GenerationResult(text=text, tokens=out, prompt_tokens=list(ptoks), finish_reason=finish,
-                                  timings=timings)
+                                  timings=timings, spec=slot.stats if slot is not None else None)
         yield StreamChunk(text=text[emitted:], token=None, finish_reason=finish, result=result)
 
     # --- evaluation ------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 // Matmul kernel benchmark: GB/s of weight reading at M = 1 (generation) and GFLOP/s at M = 512
-// (prompt processing) for each weight dtype, SmolLM2-135M shapes, 1 and 2 threads.
+// (prompt processing) for each weight dtype, SmolLM2-135M shapes (plus K = 768 shapes, since the
+// K-quants need K % 256 == 0; a shape whose K does not fit a type's block is skipped), 1 and 2
+// threads.
 //
 //   bench_matmul [--isa scalar|avx2|avx512] [--threads 1,2] [--cold] [--min-time 0.3]
-//                [--dtypes Q4_0,Q4_1,Q8_0,F16,BF16,F32] [--m 1,512] [--no-avxvnni]
+//                [--dtypes Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32] [--m 1,512]
+//                [--no-avxvnni]
 //
 // Calls are timed in batches inside one ThreadPool::run with a barrier after each call (as a
 // plan replays ops), so thread wake-up cost is not counted per call.
@@ -30,34 +33,15 @@ namespace {
 
 struct Shape2 { int64_t K, N; const char* what; };
 
-size_t row_bytes(DType t, int64_t n) {
-  switch (t) {
-    case DType::F32: return (size_t)n * 4;
-    case DType::F16: case DType::BF16: return (size_t)n * 2;
-    case DType::Q4_0: return (size_t)(n / 32) * 18;
-    case DType::Q4_1: return (size_t)(n / 32) * 20;
-    case DType::Q8_0: return (size_t)(n / 32) * 34;
-    default: return 0;
-  }
-}
+size_t row_bytes(DType t, int64_t n) { return dtype_row_size(t, n); }
 
-const char* tname(DType t) {
-  switch (t) {
-    case DType::F32: return "F32";
-    case DType::F16: return "F16";
-    case DType::BF16: return "BF16";
-    case DType::Q4_0: return "Q4_0";
-    case DType::Q4_1: return "Q4_1";
-    case DType::Q8_0: return "Q8_0";
-    default: return "?";
-  }
-}
+const char* tname(DType t) { return dtype_name(t); }
 
 bool parse_dtype(const std::string& s, DType& t) {
-  const std::pair<const char*, DType> all[] = {{"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16},
-                                               {"Q4_0", DType::Q4_0}, {"Q4_1", DType::Q4_1}, {"Q8_0", DType::Q8_0}};
-  for (auto& p : all)
-    if (s == p.first) { t = p.second; return true; }
+  const DType all[] = {DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q5_0,
+                       DType::Q5_1, DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K};
+  for (DType d : all)
+    if (s == dtype_name(d)) { t = d; return true; }
   return false;
 }
 
@@ -89,7 +73,8 @@ int main(int argc, char** argv) {
   std::vector<int64_t> Ms = {1, 512};
   bool cold = false;
   double min_time = 0.3;
-  std::vector<DType> dtypes = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16, DType::BF16, DType::F32};
+  std::vector<DType> dtypes = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
+                               DType::Q5_K, DType::Q6_K, DType::F16, DType::BF16, DType::F32};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : "";
@@ -131,13 +116,15 @@ int main(int argc, char** argv) {
   std::printf("%-5s %-22s %5s %3s %6s %10s %9s %9s\n", "dtype", "shape (K->N)", "M", "thr", "mode", "us/call", "GB/s", "GFLOP/s");
 
   const Shape2 shapes[] = {{576, 1536, "576->1536 (ffn up)"}, {1536, 576, "1536->576 (ffn down)"},
-                           {576, 49152, "576->49152 (lm_head)"}};
+                           {576, 49152, "576->49152 (lm_head)"}, {768, 2048, "768->2048"},
+                           {768, 49152, "768->49152"}};
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.0f, 1.0f);
 
   for (DType wt : dtypes) {
     for (const Shape2& sh : shapes) {
       const int64_t K = sh.K, N = sh.N;
+      if (K % dtype_block_size(wt) != 0) continue;
       const size_t wbytes = row_bytes(wt, K) * (size_t)N;
       // weights (one reference copy, replicated for cold runs)
       AlignedBuf w0(wbytes);

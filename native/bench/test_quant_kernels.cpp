@@ -45,30 +45,9 @@ static int g_fail = 0, g_checks = 0;
     }                                                               \
   } while (0)
 
-static const char* tname(DType t) {
-  switch (t) {
-    case DType::F32: return "F32";
-    case DType::F16: return "F16";
-    case DType::BF16: return "BF16";
-    case DType::Q4_0: return "Q4_0";
-    case DType::Q4_1: return "Q4_1";
-    case DType::Q8_0: return "Q8_0";
-    case DType::Q8_1: return "Q8_1";
-    default: return "?";
-  }
-}
+static const char* tname(DType t) { return dtype_name(t); }
 
-static size_t row_bytes(DType t, int64_t n) {
-  switch (t) {
-    case DType::F32: return (size_t)n * 4;
-    case DType::F16: case DType::BF16: return (size_t)n * 2;
-    case DType::Q4_0: return (size_t)(n / 32) * 18;
-    case DType::Q4_1: return (size_t)(n / 32) * 20;
-    case DType::Q8_0: return (size_t)(n / 32) * 34;
-    case DType::Q8_1: return (size_t)(n / 32) * 36;
-    default: return 0;
-  }
-}
+static size_t row_bytes(DType t, int64_t n) { return dtype_row_size(t, n); }
 
 static bool isa_ok(CpuIsa isa) {
   try {
@@ -227,7 +206,7 @@ static void test_codecs() {
     for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
     CHECK(b[0].s == fp32_to_fp16((float)sum * (amax / 127.0f)), "q8_1 s = fp16(d * sum(q))");
   }
-  CHECK(quant_supported(DType::Q4_1) && !quant_supported(DType::Q6_K), "quant_supported");
+  CHECK(quant_supported(DType::Q4_1) && quant_supported(DType::Q6_K) && !quant_supported(DType::Q2_K), "quant_supported");
   bool threw = false;
   try { std::vector<float> t(33); std::vector<uint8_t> o(64); quantize_row_ref(DType::Q8_0, t.data(), o.data(), 33); }
   catch (const std::invalid_argument&) { threw = true; }
@@ -337,22 +316,21 @@ static void ref_quant(DType wt, const Node& w, const std::vector<float>& x, int6
   std::vector<int32_t> s(nb * 4);
   ref.assign((size_t)(R * N), 0.0);
   mag.assign((size_t)(R * N), 0.0);
-  const int bs = mm::wblock_bytes(wt);
+  std::vector<int32_t> hs(nb * 4);
+  std::vector<int32_t> codes(32);
   for (int64_t r = 0; r < R; ++r) {
-    mm::quant_act_scalar(&x[(size_t)(r * K)], q.data(), d.data(), s.data(), f.data(), nb);
+    mm::quant_act_scalar(&x[(size_t)(r * K)], q.data(), d.data(), s.data(), f.data(), hs.data(), nb);
     for (int64_t n = 0; n < N; ++n) {
       const uint8_t* wr = w.data + n * w.shape.strides[0];
       double acc = 0, a = 0;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* wb = wr + b * bs;
-        uint16_t dh, mh;
-        std::memcpy(&dh, wb, 2);
-        std::memcpy(&mh, wb + 2, 2);
-        const double t = (double)d[b * 4] * fp16_to_fp32(dh) * mm::block_dot_ref(wt, wb, q.data() + b * 32);
+        float dw, mw;
+        mm::wblock_decode(wt, wr, b, codes.data(), &dw, &mw);
+        const double t = (double)d[b * 4] * dw * mm::block_dot_ref(wt, wr, b, q.data() + b * 32);
         acc += t;
         a += std::fabs(t);
-        if (wt == DType::Q4_1) {
-          const double u = (double)fp16_to_fp32(mh) * f[b * 4];
+        if (mm::wtype_has_min(wt)) {
+          const double u = (double)mw * f[b * 4];
           acc += u;
           a += std::fabs(u);
         }
@@ -389,7 +367,7 @@ static void test_matmul_case(DType wt, int64_t M, int64_t N, int64_t K, std::mt1
   for (int64_t k = 0; k < K; k += 13) x[(size_t)k] *= 8.0f;  // some outliers
   Mat xm = make_x(x, M, K, 0, 5);
   Mat wm = make_w(wt, wf, N, K, wt == DType::F32 ? 12 : 6);
-  const bool quant = wt == DType::Q4_0 || wt == DType::Q4_1 || wt == DType::Q8_0;
+  const bool quant = dtype_is_quantized(wt);
   char tag[96];
   std::snprintf(tag, sizeof tag, "%s M=%lld N=%lld K=%lld", tname(wt), (long long)M, (long long)N, (long long)K);
 
@@ -456,7 +434,7 @@ static void test_matmul_case(DType wt, int64_t M, int64_t N, int64_t K, std::mt1
 
 // x as a strided 4-D view [2, 3, M, K] vs the same rows as contiguous 2-D.
 static void test_strided(DType wt, CpuIsa isa, std::mt19937& rng) {
-  const int64_t A = 2, B = 3, M = 5, K = 96, N = 19;
+  const int64_t A = 2, B = 3, M = 5, K = dtype_block_size(wt) == 256 ? 256 : 96, N = 19;
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> x((size_t)(A * B * M * K)), wf((size_t)(N * K));
   for (float& v : x) v = nd(rng);
@@ -510,15 +488,16 @@ static void test_act_quant(const std::vector<CpuIsa>& isas, std::mt19937& rng) {
   for (int j = 0; j < 32; ++j) if (j != 3) x[(size_t)(64 + j)] = 0.0f;
   std::vector<int8_t> q0(x.size()), q1(x.size());
   std::vector<float> d0(nb * 4), d1(nb * 4), f0(nb * 4), f1(nb * 4);
-  std::vector<int32_t> s0(nb * 4), s1(nb * 4);
-  mm::quant_act_scalar(x.data(), q0.data(), d0.data(), s0.data(), f0.data(), nb);
+  std::vector<int32_t> s0(nb * 4), s1(nb * 4), h0(nb * 4), h1(nb * 4);
+  mm::quant_act_scalar(x.data(), q0.data(), d0.data(), s0.data(), f0.data(), h0.data(), nb);
   for (CpuIsa isa : isas) {
     if (isa == CpuIsa::scalar) continue;
     auto fn = isa == CpuIsa::avx512 ? mm::quant_act_avx512 : mm::quant_act_avx2;
-    fn(x.data(), q1.data(), d1.data(), s1.data(), f1.data(), nb);
+    fn(x.data(), q1.data(), d1.data(), s1.data(), f1.data(), h1.data(), nb);
     bool eq = std::memcmp(q0.data(), q1.data(), q0.size()) == 0;
     for (int64_t b = 0; b < nb; ++b)
-      eq = eq && bits(d0[b * 4]) == bits(d1[b * 4]) && s0[b * 4] == s1[b * 4] && bits(f0[b * 4]) == bits(f1[b * 4]);
+      eq = eq && bits(d0[b * 4]) == bits(d1[b * 4]) && s0[b * 4] == s1[b * 4] && bits(f0[b * 4]) == bits(f1[b * 4]) &&
+           h0[b * 4] == h1[b * 4];
     CHECK(eq, "activation quantizer %s != scalar", cpu_isa_name(isa));
   }
 }
@@ -573,7 +552,8 @@ int main(int argc, char** argv) {
   std::printf("codecs/fp16: %d checks, %d failures\n", g_checks, g_fail);
 
   ThreadPool* pools[5] = {nullptr, nullptr, new ThreadPool(2), new ThreadPool(3), new ThreadPool(4)};
-  const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F32, DType::F16, DType::BF16};
+  const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
+                         DType::Q5_K, DType::Q6_K, DType::F32, DType::F16, DType::BF16};
   for (DType wt : types) {
     const int before = g_fail;
     // With AVX-VNNI present, run the avx2 cases twice: VNNI and plain maddubs.
@@ -582,6 +562,7 @@ int main(int argc, char** argv) {
     std::vector<CpuIsa> run_isas = isas;
     if (pass == 1) run_isas = {CpuIsa::avx2};
     std::vector<int64_t> Ks = {32, 96, 576};
+    if (dtype_block_size(wt) == 256) Ks = {256, 512, 1536};
     if (wt == DType::F32 || wt == DType::F16 || wt == DType::BF16) {
       Ks.push_back(7);
       Ks.push_back(40);

@@ -136,7 +136,8 @@ int Graph::matmul(int x, int w) {
   if (b.shape.ndim != 2) fail("matmul", "w must be 2-D [N, K], got " + b.shape.str());
   switch (b.dtype) {
     case DType::F32: case DType::F16: case DType::BF16:
-    case DType::Q8_0: case DType::Q4_0: case DType::Q4_1: break;
+    case DType::Q8_0: case DType::Q4_0: case DType::Q4_1: case DType::Q5_0: case DType::Q5_1:
+    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K: break;
     default: fail("matmul", std::string("unsupported weight dtype ") + dtype_name(b.dtype));
   }
   need_inner_contiguous("matmul", b, "w");
@@ -274,7 +275,8 @@ int Graph::set_rows(int dst, int src, int idx) {
   need_dtype("set_rows", s, DType::F32, "src");
   need_dtype("set_rows", i, DType::I32, "idx");
   switch (d.dtype) {
-    case DType::F32: case DType::F16: case DType::BF16: case DType::Q8_0: case DType::Q4_0: case DType::Q4_1: break;
+    case DType::F32: case DType::F16: case DType::BF16: case DType::Q8_0: case DType::Q4_0: case DType::Q4_1:
+    case DType::Q5_0: case DType::Q5_1: case DType::Q4_K: case DType::Q5_K: case DType::Q6_K: break;
     default: fail("set_rows", std::string("unsupported dst dtype ") + dtype_name(d.dtype));
   }
   if (i.shape.ndim != 1) fail("set_rows", "idx must be 1-D");
@@ -298,8 +300,11 @@ int Graph::cpy(int a, DType t) {
   const Node& x = at(a);
   switch (t) {
     case DType::F32: case DType::F16: case DType::BF16: break;
-    case DType::Q8_0: case DType::Q4_0: case DType::Q4_1:
-      if (x.shape.dims[x.shape.ndim - 1] % 32) fail("cpy", "innermost dim must be a multiple of 32 to quantize");
+    case DType::Q8_0: case DType::Q4_0: case DType::Q4_1: case DType::Q5_0: case DType::Q5_1:
+    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
+      if (x.shape.dims[x.shape.ndim - 1] % dtype_block_size(t))
+        fail("cpy", std::string("innermost dim must be a multiple of ") + std::to_string(dtype_block_size(t)) +
+                        " to quantize to " + dtype_name(t));
       break;
     default: fail("cpy", std::string("unsupported target dtype ") + dtype_name(t));
   }

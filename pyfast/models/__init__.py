@@ -15,7 +15,7 @@ from pyfast.models.base import BatchShape, GraphBuilder, Weights
 
 ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama,)}
 
-_MATMUL_DTYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"}
+_MATMUL_DTYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 
 
 class Model:

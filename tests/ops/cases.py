@@ -12,12 +12,13 @@ accepts; test_ops.test_dtype_coverage checks every one of them has a case.
 from __future__ import annotations
 
 from .harness import (
-    BF16, EXACT, F16, F32, I32, Q4_0, Q4_1, Q8_0, QUANT, TOL_F32, TOL_QMM, WEIGHT_TYPES,
+    BF16, EXACT, F16, F32, I32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QUANT, TOL_F32, TOL_QMM,
+    WEIGHT_TYPES, K_QUANTS,
     CONTIG, Arg, Case, Tol, causal_mask, choice, fixed, ints, kv_mask, normal, padded, permutation, permuted,
 )
 
 FLOATS = (F32, F16, BF16)
-QUANTS = (Q8_0, Q4_0, Q4_1)
+QUANTS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
 
 ACCEPTS = {
     "get_rows": {0: set(WEIGHT_TYPES), 1: {I32}},
@@ -34,8 +35,8 @@ ACCEPTS = {
     "set_rows": {0: set(WEIGHT_TYPES), 1: {F32}, 2: {I32}},
     "cpy": {0: set(WEIGHT_TYPES), "out": set(WEIGHT_TYPES)},
     "argmax": {0: {F32}},
-    "reshape": {0: {F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1}},
-    "view": {0: {F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1}},
+    "reshape": {0: {F32, F16, BF16, I32, *QUANTS}},
+    "view": {0: {F32, F16, BF16, I32, *QUANTS}},
     "permute": {0: {F32, F16, BF16, I32}},
 }
 
@@ -44,12 +45,19 @@ def _mm_tol(wt) -> Tol:
     return TOL_QMM if wt in QUANT else TOL_F32
 
 
+def _row(dt, n32: int) -> int:
+    """A row length for dt: n32 for the 32-block and float types, 256 * ceil(n32 / 256) for the
+    K-quants (256-element super-blocks)."""
+    return -(-n32 // 256) * 256 if dt in K_QUANTS else n32
+
+
 def _cases() -> list[Case]:
     C: list[Case] = []
 
     # ---- get_rows: the decoded rows must equal the table's rows exactly -------------------
     for dt, (V, D) in {F32: (33, 7), F16: (65, 33), BF16: (7, 65), Q8_0: (33, 64),
-                       Q4_0: (7, 96), Q4_1: (65, 32)}.items():
+                       Q4_0: (7, 96), Q4_1: (65, 32), Q5_0: (33, 64), Q5_1: (7, 96), Q4_K: (9, 256),
+                       Q5_K: (7, 512), Q6_K: (33, 256)}.items():
         C.append(Case("get_rows", (Arg((V, D), dt), Arg((9,), I32, ints(0, V))), tol=EXACT))
     C += [
         Case("get_rows", (Arg((5, 32), F32), Arg((1,), I32, fixed([4]))), tol=EXACT),
@@ -58,6 +66,8 @@ def _cases() -> list[Case]:
         # strided table rows (a view of every row of a wider table) and strided ids
         Case("get_rows", (Arg((9, 33), F32, layout=padded((2, 7))), Arg((6,), I32, ints(0, 9))), tol=EXACT),
         Case("get_rows", (Arg((9, 64), Q4_0, layout=padded((3, 64))), Arg((6,), I32, ints(0, 9))), tol=EXACT),
+        Case("get_rows", (Arg((9, 256), Q6_K, layout=padded((3, 512))), Arg((6,), I32, ints(0, 9))), tol=EXACT),
+        Case("get_rows", (Arg((7, 2, 256), Q4_K), Arg((4,), I32, fixed([0, 6, 2, 2]))), tol=EXACT),
         Case("get_rows", (Arg((9, 65), F16, layout=padded((1, 0))),
                           Arg((7,), I32, ints(0, 9), layout=padded((3,), step=2))), tol=EXACT),
         # a 3-D table whose rows [H, D] are not contiguous (permuted from [H, V, D])
@@ -67,10 +77,10 @@ def _cases() -> list[Case]:
 
     # ---- matmul: x[..., K] @ w[N, K].T for every weight dtype --------------------------------
     for wt in WEIGHT_TYPES:
-        Ks = (32, 96, 288) if wt in QUANT else (1, 33, 300)
+        Ks = (256, 512, 768) if wt in K_QUANTS else (32, 96, 288) if wt in QUANT else (1, 33, 300)
         for (M, N), K in zip(((1, 1), (7, 33), (33, 65)), Ks):
             C.append(Case("matmul", (Arg((M, K)), Arg((N, K), wt, normal(0.5))), tol=_mm_tol(wt)))
-        K = 64 if wt in QUANT else 65
+        K = 256 if wt in K_QUANTS else 64 if wt in QUANT else 65
         C += [
             # batched 3-D / 4-D activations, a permuted x (inner dim contiguous) and strided rows
             Case("matmul", (Arg((2, 5, K)), Arg((7, K), wt)), tol=_mm_tol(wt)),
@@ -90,6 +100,14 @@ def _cases() -> list[Case]:
         Case("matmul", (Arg((65, 64)), Arg((33, 64), Q4_1)), tol=TOL_QMM),  # > one 64-row tile
         Case("matmul", (Arg((3, 1024), normal(3.0)), Arg((7, 1024), Q8_0, normal(0.02))), tol=TOL_QMM),
         Case("matmul", (Arg((4, 64), normal(1.0, 5.0)), Arg((9, 64), Q4_1, normal(0.1, 0.3))), tol=TOL_QMM),
+        # the newer types: unaligned rows, > one 64-row tile, offset-heavy weights, long rows
+        Case("matmul", (Arg((5, 256), layout=padded((1, 3), start=(0, 1))), Arg((9, 256), Q6_K)), tol=TOL_QMM),
+        Case("matmul", (Arg((5, 512), layout=padded((1, 3), start=(0, 1))), Arg((7, 512), Q5_K)), tol=TOL_QMM),
+        Case("matmul", (Arg((65, 256)), Arg((17, 256), Q4_K)), tol=TOL_QMM),
+        Case("matmul", (Arg((65, 64)), Arg((33, 64), Q5_0)), tol=TOL_QMM),
+        Case("matmul", (Arg((4, 96), normal(1.0, 5.0)), Arg((9, 96), Q5_1, normal(0.1, 0.3))), tol=TOL_QMM),
+        Case("matmul", (Arg((4, 256), normal(1.0, 5.0)), Arg((9, 256), Q4_K, normal(0.1, 0.3))), tol=TOL_QMM),
+        Case("matmul", (Arg((3, 1536), normal(3.0)), Arg((7, 1536), Q6_K, normal(0.02))), tol=TOL_QMM),
     ]
 
     # ---- elementwise with broadcasting ------------------------------------------------------
@@ -194,7 +212,8 @@ def _cases() -> list[Case]:
 
     # ---- set_rows (dst is an input here; sentinel tests with external buffers: test_quant) ----
     for dt, (R, D) in {F32: (10, 33), F16: (9, 65), BF16: (7, 7), Q8_0: (8, 64), Q4_0: (8, 96),
-                       Q4_1: (5, 32)}.items():
+                       Q4_1: (5, 32), Q5_0: (6, 64), Q5_1: (5, 96), Q4_K: (4, 256), Q5_K: (5, 256),
+                       Q6_K: (4, 512)}.items():
         C.append(Case("set_rows", (Arg((R, D), dt), Arg((3, D)), Arg((3,), I32, fixed([R - 1, 0, 2]))),
                       tol=EXACT))
     C += [
@@ -210,9 +229,13 @@ def _cases() -> list[Case]:
     # ---- cpy: every (source, target) pair the op accepts ------------------------------------
     for src in FLOATS:
         for dst in WEIGHT_TYPES:
-            C.append(Case("cpy", (Arg((7, 64), src, normal(2.0)),), {"dtype": dst}, tol=EXACT))
+            C.append(Case("cpy", (Arg((7, _row(dst, 64)), src, normal(2.0)),), {"dtype": dst}, tol=EXACT))
     for src in QUANTS:
-        C.append(Case("cpy", (Arg((5, 96), src),), {"dtype": F32}, tol=EXACT))
+        C.append(Case("cpy", (Arg((5, _row(src, 96)), src),), {"dtype": F32}, tol=EXACT))
+    C += [
+        Case("cpy", (Arg((3, 2, 256), F16, layout=permuted(1, 0, 2)),), {"dtype": Q5_K}, tol=EXACT),
+        Case("cpy", (Arg((6, 256), Q6_K, layout=padded((2, 512))),), {"dtype": F32}, tol=EXACT),
+    ]
     C += [
         Case("cpy", (Arg((1, 32)),), {"dtype": Q4_1}, tol=EXACT),
         Case("cpy", (Arg((3, 5, 33)),), {"dtype": F16}, tol=EXACT),
@@ -246,6 +269,11 @@ def _cases() -> list[Case]:
         Case("reshape", (Arg((4, 64), Q8_0),), {"shape": (8, 32)}, tol=EXACT),
         Case("reshape", (Arg((2, 96), Q4_0),), {"shape": (2, 3, 32)}, tol=EXACT),
         Case("reshape", (Arg((3, 64), Q4_1),), {"shape": (6, 32)}, tol=EXACT),
+        Case("reshape", (Arg((3, 64), Q5_0),), {"shape": (3, 2, 32)}, tol=EXACT),
+        Case("reshape", (Arg((2, 96), Q5_1),), {"shape": (6, 32)}, tol=EXACT),
+        Case("reshape", (Arg((2, 512), Q4_K),), {"shape": (4, 256)}, tol=EXACT),
+        Case("reshape", (Arg((4, 256), Q5_K),), {"shape": (2, 2, 256)}, tol=EXACT),
+        Case("reshape", (Arg((3, 512), Q6_K),), {"shape": (6, 256)}, tol=EXACT),
         Case("view", (Arg((7, 33)),), {"shape": (3, 5), "strides": (66, 2), "offset": 1}, tol=EXACT),
         Case("view", (Arg((7, 33)),), {"shape": (7, 33)}, tol=EXACT),
         Case("view", (Arg((5, 9), F16),), {"shape": (4, 2, 3), "strides": (9, 4, 1), "offset": 2}, tol=EXACT),
@@ -255,6 +283,12 @@ def _cases() -> list[Case]:
         Case("view", (Arg((6, 64), Q4_0),), {"shape": (3, 32), "strides": (128, 1), "offset": 32}, tol=EXACT),
         Case("view", (Arg((4, 96), Q8_0),), {"shape": (2, 64), "strides": (192, 1), "offset": 96}, tol=EXACT),
         Case("view", (Arg((3, 64), Q4_1),), {"shape": (3, 32), "strides": (64, 1), "offset": 0}, tol=EXACT),
+        Case("view", (Arg((4, 64), Q5_0),), {"shape": (2, 32), "strides": (128, 1), "offset": 32}, tol=EXACT),
+        Case("view", (Arg((3, 96), Q5_1),), {"shape": (3, 64), "strides": (96, 1), "offset": 32}, tol=EXACT),
+        Case("view", (Arg((3, 512), Q4_K),), {"shape": (3, 256), "strides": (512, 1), "offset": 256}, tol=EXACT),
+        Case("view", (Arg((4, 256), Q5_K),), {"shape": (2, 256), "strides": (512, 1), "offset": 0}, tol=EXACT),
+        Case("view", (Arg((2, 768), Q6_K),), {"shape": (2, 2, 256), "strides": (768, 256, 1), "offset": 256},
+             tol=EXACT),
         Case("permute", (Arg((2, 3, 5)),), {"axes": (2, 0, 1)}, tol=EXACT),
         Case("permute", (Arg((2, 3, 1, 4)),), {"axes": (3, 1, 0, 2)}, tol=EXACT),
         Case("permute", (Arg((7, 33), F16),), {"axes": (1, 0)}, tol=EXACT),

@@ -47,10 +47,15 @@ OPS_DEF = ROOT / "native" / "include" / "pyfast" / "ops.def"
 DT = N.DType
 F32, F16, BF16, I32 = DT.F32, DT.F16, DT.BF16, DT.I32
 Q8_0, Q4_0, Q4_1 = DT.Q8_0, DT.Q4_0, DT.Q4_1
-QUANT = {Q8_0: _QT.Q8_0, Q4_0: _QT.Q4_0, Q4_1: _QT.Q4_1}
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = DT.Q5_0, DT.Q5_1, DT.Q4_K, DT.Q5_K, DT.Q6_K
+QUANT = {Q8_0: _QT.Q8_0, Q4_0: _QT.Q4_0, Q4_1: _QT.Q4_1, Q5_0: _QT.Q5_0, Q5_1: _QT.Q5_1,
+         Q4_K: _QT.Q4_K, Q5_K: _QT.Q5_K, Q6_K: _QT.Q6_K}
+# gguf.quants cannot quantize the K-quants: values are encoded with pyfast's own quantizer
+# (row_from_f32) and decoded with gguf.quants, so decoding stays independently checked.
+K_QUANTS = (Q4_K, Q5_K, Q6_K)
 FLOAT_TYPES = (F32, F16, BF16)
-WEIGHT_TYPES = (F32, F16, BF16, Q8_0, Q4_0, Q4_1)
-ALL_TYPES = (F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1)
+WEIGHT_TYPES = (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+ALL_TYPES = (F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
 
 
 def dname(dt) -> str:
@@ -99,6 +104,9 @@ def encode(vals, dt) -> np.ndarray:
             return x.astype(np.float16)
     if dt == BF16:
         return bf16_bits(x)
+    if dt in K_QUANTS:
+        q = np.asarray(N.quantize_tensor(dt, x.reshape(-1, x.shape[-1]), 1))
+        return np.ascontiguousarray(q.reshape(x.shape[:-1] + (row_bytes(dt, x.shape[-1]),)))
     if dt in QUANT:
         return np.ascontiguousarray(_gq.quantize(x, QUANT[dt]))
     raise ValueError(f"no codec for {dt}")
@@ -450,13 +458,23 @@ BEST_ISA = N.cpu_best_isa()
 THREADS = (1, 3)
 
 
+# Quantized matmul also has a second avx2 variant: with AVX-VNNI (vpdpbusd on ymm, used when the
+# CPU has it) and without (maddubs). "avx2-novnni" runs the avx2 path with VNNI switched off.
+QUANT_ISAS = ISAS + (["avx2-novnni"] if "avx2" in ISAS and N.avx2_uses_vnni() else [])
+
+
 @contextlib.contextmanager
 def using_isa(name: str):
     prev = N.cpu_isa()
-    N.set_cpu_isa(name)
+    novnni = name == "avx2-novnni"
+    N.set_cpu_isa("avx2" if novnni else name)
+    if novnni:
+        N.avx2_use_vnni(False)
     try:
         yield
     finally:
+        if novnni:
+            N.avx2_use_vnni(True)
         N.set_cpu_isa(prev)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .harness import BF16, F16, F32, I32, Q4_0, Q8_0, N
+from .harness import BF16, F16, F32, I32, K_QUANTS, Q4_0, Q8_0, N
 
 DT = N.DType
 
@@ -138,7 +138,7 @@ BAD = {
     ],
     "input": [
         ("duplicate name", lambda g: (_x(g, "a", F32, [4]), _x(g, "a", F32, [4]))),
-        ("unsupported dtype", lambda g: _x(g, "a", DT.Q4_K, [256])),
+        ("unsupported dtype", lambda g: _x(g, "a", DT.Q2_K, [256])),
         ("dim 0", lambda g: _x(g, "a", F32, [0, 4])),
         ("q8_0 inner 48", lambda g: _x(g, "a", Q8_0, [2, 48])),
     ],
@@ -210,9 +210,9 @@ def test_tensor_from_another_graph_is_rejected():
 
 
 # One builder per (op, argument): the argument gets the probed dtype, the others valid ones.
-# Shapes keep every innermost dim a multiple of 32 so quantized dtypes are representable.
+# Shapes keep every innermost dim a multiple of 256 so quantized dtypes are representable.
 def _probe_builders():
-    T, K = 32, 64
+    T, K = 32, 256
 
     P = {}
     P["get_rows"] = lambda g, r, dt: g.get_rows(_x(g, "t", dt if r == 0 else F32, [4, K]),
@@ -241,7 +241,7 @@ def _probe_builders():
                                                 _x(g, "i", dt if r == 2 else I32, [T]))
     P["cpy"] = lambda g, r, dt: (g.cpy(_x(g, "a", dt, [2, K]), F32) if r == 0
                                  else g.cpy(_x(g, "a", F32, [2, K]), dt))
-    P["reshape"] = lambda g, r, dt: g.reshape(_x(g, "a", dt, [2, K]), [4, 32])
+    P["reshape"] = lambda g, r, dt: g.reshape(_x(g, "a", dt, [2, K]), [1, 2, K] if dt in K_QUANTS else [4, K // 2])
     P["view"] = lambda g, r, dt: g.view(_x(g, "a", dt, [2, K]), [1, K], None, 0)
     P["permute"] = lambda g, r, dt: g.permute(_x(g, "a", dt, [2, K]), [1, 0])
     return P

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from .harness import (
-    F16, F32, I32, ISAS, THREADS, WEIGHT_TYPES, N, QUANT, dname, encode, pool, run_matmul, using_isa,
+    F16, F32, I32, ISAS, K_QUANTS, QUANT_ISAS, THREADS, WEIGHT_TYPES, N, QUANT, dname, encode, pool,
+    run_matmul, using_isa,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -17,7 +18,7 @@ from .harness import (
 
 
 def _mm_data(dt, M=65, N_=33):
-    K = 160 if dt in QUANT else 77
+    K = 512 if dt in K_QUANTS else 160 if dt in QUANT else 77
     rng = np.random.default_rng(100 + int(dt.value))
     x = rng.standard_normal((M, K)).astype(np.float32)
     return x, encode(rng.standard_normal((N_, K)) * 0.2, dt)
@@ -30,8 +31,12 @@ def _same(a, b, what):
     assert diff.size == 0, f"{what}: {diff.size} elements differ (first flat index {diff[0]})"
 
 
-@pytest.mark.parametrize("dt", WEIGHT_TYPES, ids=dname)
-@pytest.mark.parametrize("isa", ISAS)
+def _isas(dt):
+    return QUANT_ISAS if dt in QUANT else ISAS
+
+
+@pytest.mark.parametrize("dt,isa", [(d, i) for d in WEIGHT_TYPES for i in _isas(d)],
+                         ids=[f"{dname(d)}-{i}" for d in WEIGHT_TYPES for i in _isas(d)])
 def test_matmul_row_alone_equals_row_in_batch(dt, isa):
     x, w = _mm_data(dt)
     full = {M: run_matmul(x[:M], w, dt, isa, 1) for M in (5, 64, 65)}
@@ -42,8 +47,8 @@ def test_matmul_row_alone_equals_row_in_batch(dt, isa):
                 _same(alone, y[m], f"{dname(dt)} {isa}: row {m} alone vs in M={M}")
 
 
-@pytest.mark.parametrize("dt", WEIGHT_TYPES, ids=dname)
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dt,isa", [(d, i) for d in WEIGHT_TYPES for i in _isas(d)],
+                         ids=[f"{dname(d)}-{i}" for d in WEIGHT_TYPES for i in _isas(d)])
 def test_matmul_threads_do_not_change_results(dt, isa):
     x, w = _mm_data(dt)
     ref = run_matmul(x, w, dt, isa, 1)
@@ -77,10 +82,11 @@ def test_matmul_strided_and_batched_rows(dt):
 
 @pytest.mark.parametrize("dt", tuple(QUANT), ids=dname)
 def test_quant_matmul_identical_across_isas(dt):
-    """quant.h: quantized results are bit-identical across scalar / avx2 / avx512."""
+    """quant.h: quantized results are bit-identical across scalar / avx2 (with and without
+    AVX-VNNI) / avx512."""
     x, w = _mm_data(dt)
     ref = run_matmul(x, w, dt, "scalar", 1)
-    for isa in ISAS[1:]:
+    for isa in QUANT_ISAS[1:]:
         _same(run_matmul(x, w, dt, isa, 3), ref, f"{dname(dt)}: {isa} vs scalar")
 
 

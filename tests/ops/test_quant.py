@@ -13,15 +13,22 @@ import numpy as np
 import pytest
 
 from .harness import (
-    BF16, F16, F32, I32, ISAS, THREADS, TOL_QMM, WEIGHT_TYPES, N, Tol,
-    check, decode, dname, encode, is_quant, pool, row_bytes, run_matmul, using_isa,
+    BF16, F16, F32, I32, ISAS, K_QUANTS, QUANT, QUANT_ISAS, THREADS, TOL_QMM, WEIGHT_TYPES, N, Tol,
+    _gq, check, decode, dname, encode, is_quant, pool, row_bytes, run_matmul, using_isa,
 )
 
-QTYPES = (N.DType.Q8_0, N.DType.Q4_0, N.DType.Q4_1)
+QTYPES = tuple(QUANT)          # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
+REF_QTYPES = tuple(t for t in QTYPES if t not in K_QUANTS)   # gguf.quants can quantize these
 ISA_THREADS = [pytest.param(i, t, id=f"{i}-t{t}") for i in ISAS for t in THREADS]
+QISA_THREADS = [pytest.param(i, t, id=f"{i}-t{t}") for i in QUANT_ISAS for t in THREADS]
 
 
-def _edge_rows(n_blocks: int = 12) -> np.ndarray:
+def _n(dt, n32: int) -> int:
+    """A row length valid for dt (K-quants: a multiple of 256)."""
+    return -(-n32 // 256) * 256 if dt in K_QUANTS else n32
+
+
+def _edge_rows(n_blocks: int = 16) -> np.ndarray:
     """Rows of 32-blocks that stress the quantizers: zeros, ties in |max|, one outlier, tiny and
     huge values, exact .5 rounding points, constant blocks, fp16-subnormal scales."""
     rng = np.random.default_rng(7)
@@ -46,7 +53,7 @@ def _edge_rows(n_blocks: int = 12) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dt", QTYPES, ids=dname)
+@pytest.mark.parametrize("dt", REF_QTYPES, ids=dname)
 def test_row_codecs_match_gguf(dt):
     x = _edge_rows()
     want = encode(x, dt).reshape(-1)
@@ -69,13 +76,41 @@ def test_float_codecs_round_to_nearest_even(dt):
     assert np.array_equal(back.view(np.uint32), decode(want, dt).astype(np.float32).view(np.uint32))
 
 
+@pytest.mark.parametrize("dt", K_QUANTS, ids=dname)
+def test_kquant_codec_decodes_like_gguf(dt):
+    """K-quants: our bytes decode exactly as gguf.quants decodes them (row_to_f32 and the
+    whole-tensor decoder), also for arbitrary block bytes (every scale / bit pattern), and the
+    round trip error is that of a least-squares fit."""
+    x = _edge_rows(32)
+    raw = np.asarray(N.row_from_f32(dt, x))
+    want = _gq.dequantize(raw, QUANT[dt]).astype(np.float32)
+    assert np.array_equal(np.asarray(N.row_to_f32(dt, raw, x.size)).view(np.uint32), want.view(np.uint32))
+    # arbitrary bytes with finite fp16 scales
+    rng = np.random.default_rng(5)
+    nsb = 64
+    bb = int(N.dtype_type_size(dt))
+    blocks = rng.integers(0, 256, (nsb, bb), dtype=np.uint8)
+    for off in ((208,) if dt == N.DType.Q6_K else (0, 2)):
+        blocks[:, off:off + 2] = (rng.standard_normal(nsb) * 0.01).astype(np.float16).view(np.uint8).reshape(nsb, 2)
+    want = _gq.dequantize(blocks.reshape(-1), QUANT[dt]).astype(np.float32)
+    got = np.asarray(N.dequantize_tensor(dt, blocks, 1, nsb * 256)).reshape(-1)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # gaussian data: the relative round-trip RMSE of a least-squares fit of that many bits
+    g = rng.standard_normal(64 * 256).astype(np.float32)
+    back = np.asarray(N.row_to_f32(dt, np.asarray(N.row_from_f32(dt, g)), g.size))
+    rel = np.sqrt(np.mean((back - g) ** 2) / np.mean(g ** 2))
+    assert rel < {N.DType.Q4_K: 0.075, N.DType.Q5_K: 0.038, N.DType.Q6_K: 0.019}[dt], rel
+
+
 @pytest.mark.parametrize("dt", (F16, BF16) + QTYPES, ids=dname)
 @pytest.mark.parametrize("isa,n_threads", ISA_THREADS)
 def test_cpy_bytes_match_gguf(dt, isa, n_threads):
-    """cpy f32 -> dt writes exactly the bytes ggml's reference quantizer writes."""
-    x = _edge_rows().reshape(6, 64)
+    """cpy f32 -> dt writes exactly the bytes ggml's reference quantizer writes (K-quants: the
+    bytes of pyfast's own quantizer, row_from_f32, which gguf.quants decodes; see above)."""
+    n = _n(dt, 64)
+    x = _edge_rows().reshape(-1, n)
     g = N.Graph()
-    g.output(g.cpy(g.input("x", F32, [6, 64]), dt), "y")
+    g.output(g.cpy(g.input("x", F32, list(x.shape)), dt), "y")
     p = N.Plan(g, pool(n_threads))
     p.set_input("x", x)
     with using_isa(isa):
@@ -90,23 +125,74 @@ def test_cpy_bytes_match_gguf(dt, isa, n_threads):
 # --------------------------------------------------------------------------------------------
 
 
+def _f16(b2: np.ndarray) -> np.ndarray:
+    return b2.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """5-bit codes of 32-blocks from qh (4 bytes, little endian) and qs (16 bytes of nibbles)."""
+    bits = (qh.copy().view(np.uint32).astype(np.int64) >> np.arange(32)) & 1
+    nib = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)
+    return nib | (bits << 4)
+
+
 def _blocks(wraw: np.ndarray, dt):
-    """Parse a quantized [N, row bytes] array: fp16 scale d, fp16 min m (Q4_1), int codes q."""
+    """Parse a quantized [N, row bytes] array into quant.h's per-32-block terms: scale dw [N, nb],
+    min mw [N, nb] (None for the types without one) and integer codes c [N, nb, 32]."""
     n = wraw.shape[0]
-    bb = {N.DType.Q8_0: 34, N.DType.Q4_0: 18, N.DType.Q4_1: 20}[dt]
+    T = N.DType
+    if dt in K_QUANTS:
+        sbb = int(N.dtype_type_size(dt))
+        sb = wraw.reshape(n, -1, sbb)
+        nsb = sb.shape[1]
+        if dt == T.Q6_K:
+            ql, qh = sb[..., 0:128].astype(np.int64), sb[..., 128:192].astype(np.int64)
+            sc = sb[..., 192:208].copy().view(np.int8).astype(np.int64)           # [n, nsb, 16]
+            q = np.empty((n, nsb, 256), np.int64)
+            for h in range(2):
+                for l0 in range(0, 64, 32):                                       # element 128h + 64s + l
+                    for s_ in range(2):
+                        q[..., 128 * h + 64 * s_ + l0:128 * h + 64 * s_ + l0 + 32] = \
+                            (ql[..., 64 * h + l0:64 * h + l0 + 32] >> (4 * s_)) & 15
+                for t in range(4):                                                # element 128h + 32t + l
+                    q[..., 128 * h + 32 * t:128 * h + 32 * t + 32] |= ((qh[..., 32 * h:32 * h + 32] >> (2 * t)) & 3) << 4
+            c = (q - 32) * np.repeat(sc, 16, axis=-1)
+            d = np.repeat(_f16(sb[..., 208:210]), 8, axis=-1)
+            return d, None, c.reshape(n, nsb * 8, 32)
+        d, dmin = _f16(sb[..., 0:2]), _f16(sb[..., 2:4])
+        s12 = sb[..., 4:16].astype(np.int64)
+        sc = np.concatenate([s12[..., 0:4] & 63, (s12[..., 8:12] & 15) | ((s12[..., 0:4] >> 6) << 4)], -1)
+        mn = np.concatenate([s12[..., 4:8] & 63, (s12[..., 8:12] >> 4) | ((s12[..., 4:8] >> 6) << 4)], -1)
+        qs = sb[..., 16:144] if dt == T.Q4_K else sb[..., 48:176]
+        qs = qs.astype(np.int64).reshape(n, nsb, 4, 32)
+        q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, nsb, 8, 32)          # sub-block 2p, 2p + 1
+        if dt == T.Q5_K:
+            qh = sb[..., 16:48].astype(np.int64)
+            q |= ((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4
+        dw = (d[..., None] * sc.astype(np.float32)).astype(np.float32)
+        mw = -(dmin[..., None] * mn.astype(np.float32)).astype(np.float32)
+        return dw.reshape(n, -1), mw.reshape(n, -1), q.reshape(n, nsb * 8, 32)
+    bb = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24}[dt]
     b = wraw.reshape(n, -1, bb)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(b[..., 0:2])
     m = None
-    if dt == N.DType.Q8_0:
+    if dt == T.Q8_0:
         q = b[..., 2:].copy().view(np.int8).astype(np.int64)
+    elif dt in (T.Q5_0, T.Q5_1):
+        off = 2 if dt == T.Q5_0 else 4
+        q = _q5_codes(b[..., off:off + 4], b[..., off + 4:])
+        if dt == T.Q5_0:
+            q = q - 16
+        else:
+            m = _f16(b[..., 2:4])
     else:
-        off = 2 if dt == N.DType.Q4_0 else 4
+        off = 2 if dt == T.Q4_0 else 4
         qs = b[..., off:].astype(np.int64)
         q = np.concatenate([qs & 15, qs >> 4], axis=-1)
-        if dt == N.DType.Q4_0:
+        if dt == T.Q4_0:
             q = q - 8
         else:
-            m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            m = _f16(b[..., 2:4])
     return d, m, q
 
 
@@ -171,6 +257,7 @@ QMM_SHAPES = [(1, 1, 32), (7, 33, 64), (65, 17, 256), (3, 5, 1024)]
 
 
 def _qmm_data(M, N_, K, dt, seed=0):
+    K = _n(dt, K)
     rng = np.random.default_rng(seed + K + 7 * M + N_)
     x = rng.standard_normal((M, K)).astype(np.float32)
     x[:, :32] *= 10.0  # blocks with very different scales
@@ -182,12 +269,12 @@ def _qmm_data(M, N_, K, dt, seed=0):
 
 @pytest.mark.parametrize("dt", QTYPES, ids=dname)
 @pytest.mark.parametrize("M,N_,K", QMM_SHAPES)
-@pytest.mark.parametrize("isa,n_threads", ISA_THREADS)
+@pytest.mark.parametrize("isa,n_threads", QISA_THREADS)
 def test_quant_matmul_vs_dequantized(dt, M, N_, K, isa, n_threads):
     x, wraw = _qmm_data(M, N_, K, dt)
     ref = x.astype(np.float64) @ decode(wraw, dt).T
     y = run_matmul(x, wraw, dt, isa, n_threads)
-    check(y.astype(np.float64), ref, TOL_QMM, f"{dname(dt)} {M}x{N_}x{K}")
+    check(y.astype(np.float64), ref, TOL_QMM, f"{dname(dt)} {M}x{N_}x{x.shape[1]}")
 
 
 @pytest.mark.parametrize("dt", QTYPES, ids=dname)
@@ -202,7 +289,7 @@ def test_quant_oracle_within_tolerance(dt, M, N_, K):
 @needs_real_matmul
 @pytest.mark.parametrize("dt", QTYPES, ids=dname)
 @pytest.mark.parametrize("M,N_,K", QMM_SHAPES)
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", QUANT_ISAS)
 def test_quant_matmul_matches_oracle_exactly(dt, M, N_, K, isa):
     """Every ISA computes quant.h's arithmetic exactly (bit-identical across ISAs)."""
     x, wraw = _qmm_data(M, N_, K, dt)
@@ -232,7 +319,7 @@ def test_float_matmul_matches_oracle_exactly(dt, M, N_, K, isa):
 @pytest.mark.parametrize("dt", WEIGHT_TYPES, ids=dname)
 @pytest.mark.parametrize("isa,n_threads", ISA_THREADS)
 def test_get_rows_equals_dequantized_rows(dt, isa, n_threads):
-    V, D = 37, 96
+    V, D = 37, _n(dt, 96)
     rng = np.random.default_rng(3)
     table = encode(rng.standard_normal((V, D)) * 2, dt)
     ids = np.array([0, V - 1, 5, 5, 17, 0, 36, 2, 9, 30, 11], np.int32)
@@ -277,6 +364,7 @@ def _set_rows_plan(dt, R, row_shape, n_src, buf, n_threads, src_layout="contig")
 @pytest.mark.parametrize("row_shape,src_layout", [((64,), "contig"), ((2, 32), "contig"), ((96,), "permuted")],
                          ids=["row64", "row2x32", "row96-srcperm"])
 def test_set_rows_sentinels(dt, isa, n_threads, row_shape, src_layout):
+    row_shape = row_shape[:-1] + (_n(dt, row_shape[-1]),)
     R = 9
     D = int(np.prod(row_shape))
     rb = row_bytes(dt, row_shape[-1]) * int(np.prod(row_shape[:-1]))

@@ -1,4 +1,5 @@
-// matmul: dst[..., M, N] = x[..., M, K] @ w[N, K].T  (x f32, w F32/F16/BF16/Q4_0/Q4_1/Q8_0).
+// matmul: dst[..., M, N] = x[..., M, K] @ w[N, K].T  (x f32; w F32/F16/BF16 or quantized:
+// Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K).
 //
 // Quantized weights: the activation rows are quantized once per op into the shared scratch
 // (split over threads by rows), then after a barrier the output is split into work items of
@@ -21,7 +22,7 @@ inline size_t align_up(size_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
 
 struct QLayout {
   int64_t R = 0, K = 0, nb = 0;
-  size_t q = 0, d = 0, s = 0, f = 0, scratch = 0, scratch_per_thread = 0, total = 0;
+  size_t q = 0, d = 0, s = 0, f = 0, h = 0, scratch = 0, scratch_per_thread = 0, total = 0;
 };
 
 QLayout qlayout(int64_t R, int64_t K, int nth) {
@@ -39,6 +40,8 @@ QLayout qlayout(int64_t R, int64_t K, int nth) {
   L.s = off;
   off = align_up(off + meta);
   L.f = off;
+  off = align_up(off + meta);
+  L.h = off;
   off = align_up(off + meta);
   L.scratch = off;
   L.scratch_per_thread = align_up(mm::qjob_scratch_floats(L.nb) * sizeof(float));
@@ -73,7 +76,15 @@ int64_t n_rows(const Node& n) {
   return r;
 }
 
-bool is_quant(DType t) { return t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q8_0; }
+bool is_quant(DType t) {
+  switch (t) {
+    case DType::Q4_0: case DType::Q4_1: case DType::Q5_0: case DType::Q5_1: case DType::Q8_0:
+    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
+      return true;
+    default:
+      return false;
+  }
+}
 
 }  // namespace
 
@@ -114,6 +125,7 @@ void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
     a.d = reinterpret_cast<float*>(base + L.d);
     a.s = reinterpret_cast<int32_t*>(base + L.s);
     a.f = reinterpret_cast<float*>(base + L.f);
+    a.h = reinterpret_cast<int32_t*>(base + L.h);
     a.K = K;
     a.nb = L.nb;
     // Phase 1: quantize this thread's activation rows.
@@ -125,7 +137,8 @@ void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
     for (int64_t r = r0; r < r1; ++r) {
       const size_t mi = a.meta(r, 0);
       quant(reinterpret_cast<const float*>(xv.row(r)), const_cast<int8_t*>(a.q) + r * K,
-            const_cast<float*>(a.d) + mi, const_cast<int32_t*>(a.s) + mi, const_cast<float*>(a.f) + mi, L.nb);
+            const_cast<float*>(a.d) + mi, const_cast<int32_t*>(a.s) + mi, const_cast<float*>(a.f) + mi,
+            const_cast<int32_t*>(a.h) + mi, L.nb);
     }
     p.barrier();
     // Phase 2: this thread's work items.

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 
+#include "cpu/quant/mm_common.h"
 #include "cpu/quant/quant.h"
 
 #define PF_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -18,7 +19,7 @@ namespace mm {
 
 // ----------------------------------------------------------------------------- activations
 
-PF_AVX2 void quant_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, float* f, int64_t nb) {
+PF_AVX2 void quant_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -41,14 +42,17 @@ PF_AVX2 void quant_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, flo
     const __m256i p23 = _mm256_packs_epi32(iv[2], iv[3]);
     const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
     _mm256_storeu_si256((__m256i*)q, p);
-    __m256i sv = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sv), _mm256_extracti128_si256(sv, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m256i hv = _mm256_add_epi32(iv[0], iv[1]);
+    const __m256i sv = _mm256_add_epi32(hv, _mm256_add_epi32(iv[2], iv[3]));
+    // lanes 0..3: sums of sv, lanes 4..7: sums of hv
+    __m256i t = _mm256_hadd_epi32(sv, hv);
+    t = _mm256_hadd_epi32(t, t);
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
     const int32_t sum = _mm_cvtsi128_si32(s4);
     d[b * 4] = db;
     s[b * 4] = sum;
     f[b * 4] = db * (float)sum;
+    h[b * 4] = _mm_extract_epi32(s4, 1);
   }
 }
 
@@ -60,6 +64,8 @@ struct QCtx {
   const uint8_t* rows[16];
   const float* dwc;  // [nb][16] (+16 floats of padding)
   const float* mwc;
+  const int32_t* slo;  // Q6_K sub-scales of each block's halves, [nb][16]
+  const int32_t* shi;
   alignas(32) int32_t offs[16];  // byte offsets of the rows from rows[0] (gather)
   const uint8_t* pf;             // the chunk after next, prefetched (into L2) while this one runs
   int64_t pf_step;               // bytes of it to prefetch per block
@@ -67,51 +73,192 @@ struct QCtx {
   int bs;
 };
 
-// Two weight blocks (one per 128-bit lane), low / high 16 elements. For Q8_0 without VNNI the
-// values stay signed (sign trick); with VNNI they are biased to u8 (+128).
+// 16 bytes at byte offset `off` of two rows, one per 128-bit lane.
+PF_AVX2 PF_INLINE __m256i load2(const uint8_t* r0, const uint8_t* r1, int64_t off) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(r0 + off))),
+                                 _mm_loadu_si128((const __m128i*)(r1 + off)), 1);
+}
+
+PF_AVX2 PF_INLINE __m256i srl8(__m256i v, int sh) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(sh)); }
+
+// 0x10 in byte k of lane L where bit k of `bits` (the lane's 16 bytes) is set: lane L reads
+// bytes (2 * hi, 2 * hi + 1) of the 32-bit value in its lane.
+PF_AVX2 PF_INLINE __m256i bits_to_b4(__m256i v, int hi) {
+  const __m256i ctrl = hi ? _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
+                          : _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                             0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m256i bm = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i sel = _mm256_and_si256(_mm256_shuffle_epi8(v, ctrl), bm);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(sel, bm), _mm256_set1_epi8(0x10));
+}
+
+// Two weight blocks (block b of rows r0, r1; one per 128-bit lane), low / high 16 elements. For
+// Q8_0 without VNNI the values stay signed (sign trick); with VNNI they are biased to u8 (+128).
+// All other types give unsigned codes. 32-block types only.
 template <DType WT, bool VNNI>
-PF_AVX2 PF_INLINE void load_dual(const uint8_t* r0, const uint8_t* r1, __m256i& lo, __m256i& hi) {
+PF_AVX2 PF_INLINE void load_dual(const uint8_t* r0, const uint8_t* r1, int64_t b, int bs, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
   if constexpr (WT == DType::Q8_0) {
-    lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(r0 + 2))),
-                                 _mm_loadu_si128((const __m128i*)(r1 + 2)), 1);
-    hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(r0 + 18))),
-                                 _mm_loadu_si128((const __m128i*)(r1 + 18)), 1);
+    lo = load2(r0, r1, b * bs + 2);
+    hi = load2(r0, r1, b * bs + 18);
     if constexpr (VNNI) {
       const __m256i bias = _mm256_set1_epi8((char)0x80);
       lo = _mm256_xor_si256(lo, bias);
       hi = _mm256_xor_si256(hi, bias);
     }
-  } else {
-    constexpr int off = WT == DType::Q4_1 ? 4 : 2;
-    const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(r0 + off))),
-                                              _mm_loadu_si128((const __m128i*)(r1 + off)), 1);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+  } else if constexpr (WT == DType::Q4_0 || WT == DType::Q4_1) {
+    const __m256i a = load2(r0, r1, b * bs + (WT == DType::Q4_1 ? 4 : 2));
     lo = _mm256_and_si256(a, m4);
     hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+  } else if constexpr (WT == DType::Q5_0 || WT == DType::Q5_1) {
+    constexpr int ho = WT == DType::Q5_1 ? 4 : 2;
+    const __m256i a = load2(r0, r1, b * bs + ho + 4);
+    int32_t h0, h1;
+    std::memcpy(&h0, r0 + b * bs + ho, 4);
+    std::memcpy(&h1, r1 + b * bs + ho, 4);
+    const __m256i qh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(h0)), _mm_set1_epi32(h1), 1);
+    lo = _mm256_or_si256(_mm256_and_si256(a, m4), bits_to_b4(qh, 0));
+    hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), bits_to_b4(qh, 1));
+  } else {
+    static_assert(!kIsK<WT>, "K-quants load two blocks at a time (load_dual_pair)");
   }
 }
 
+// K-quants: blocks b and b + 1 (b even) of two weight rows at once. Q4_K / Q5_K keep both in the
+// same 32 bytes (low / high nibbles); Q6_K's two blocks share their high-bit bytes.
 template <DType WT>
-PF_AVXVNNI PF_INLINE __m256i dot_dual_vnni(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi) {
+constexpr int kStep = kIsK<WT> ? 2 : 1;
+
+template <DType WT>
+PF_AVX2 PF_INLINE void load_dual_pair(const uint8_t* r0, const uint8_t* r1, int64_t b, __m256i* lo, __m256i* hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const int j = (int)(b & 7);
+  if constexpr (WT == DType::Q4_K || WT == DType::Q5_K) {
+    constexpr int SB = kSuperBytes<WT>;
+    const int64_t sb = (b >> 3) * SB;
+    const int64_t qo = sb + (WT == DType::Q4_K ? 16 : 48) + 32 * (j >> 1);
+    const __m256i a = load2(r0, r1, qo), c = load2(r0, r1, qo + 16);
+    lo[0] = _mm256_and_si256(a, m4);
+    hi[0] = _mm256_and_si256(c, m4);
+    lo[1] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+    hi[1] = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+    if constexpr (WT == DType::Q5_K) {
+      const __m256i qa = load2(r0, r1, sb + 16), qc = load2(r0, r1, sb + 32), b4 = _mm256_set1_epi8(0x10);
+      for (int t = 0; t < 2; ++t) {
+        const __m256i bit = _mm256_set1_epi8((char)(1 << (j + t)));
+        lo[t] = _mm256_or_si256(lo[t], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qa, bit), bit), b4));
+        hi[t] = _mm256_or_si256(hi[t], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qc, bit), bit), b4));
+      }
+    }
+  } else {  // Q6_K
+    const int64_t sb = (b >> 3) * 210;
+    const int64_t qo = sb + 64 * (j >> 2), ho = sb + 128 + 32 * (j >> 2);
+    const int s1 = 4 * ((j >> 1) & 1), s2 = 2 * (j & 3);
+    const __m256i m2 = _mm256_set1_epi8(3);
+    const __m256i ha = load2(r0, r1, ho), hc = load2(r0, r1, ho + 16);
+    for (int t = 0; t < 2; ++t) {
+      lo[t] = _mm256_or_si256(_mm256_and_si256(srl8(load2(r0, r1, qo + 32 * t), s1), m4),
+                              _mm256_slli_epi16(_mm256_and_si256(srl8(ha, s2 + 2 * t), m2), 4));
+      hi[t] = _mm256_or_si256(_mm256_and_si256(srl8(load2(r0, r1, qo + 32 * t + 16), s1), m4),
+                              _mm256_slli_epi16(_mm256_and_si256(srl8(hc, s2 + 2 * t), m2), 4));
+    }
+  }
+}
+
+PF_AVXVNNI PF_INLINE __m256i dot_vnni(__m256i w, __m256i x) {
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+}
+PF_AVXVNNI PF_INLINE __m256i dot2_vnni(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi) {
   return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wlo, xlo), whi, xhi);
 }
 
+// u8 codes (<= 63) x s8: pair sums fit int16 (<= 2 * 63 * 127).
+PF_AVX2 PF_INLINE __m256i dot_u(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
 template <DType WT>
-PF_AVX2 PF_INLINE __m256i dot_dual(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi) {
+PF_AVX2 PF_INLINE __m256i dot2_u(__m256i wlo, __m256i whi, __m256i xlo, __m256i xhi) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (WT == DType::Q8_0) {
     const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wlo, wlo), _mm256_sign_epi8(xlo, wlo)), ones);
     const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(whi, whi), _mm256_sign_epi8(xhi, whi)), ones);
     return _mm256_add_epi32(a, b);
-  } else {  // u4 x s8: |pair sums| <= 2 * 15 * 127, two of them fit int16
+  } else {  // codes <= 31: four products per int16 lane, |sum| <= 4 * 31 * 127
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi)), ones);
   }
+}
+
+// lane 4L + q of the result = sum of the 4 int32 partials in 128-bit lane L of z[q].
+PF_AVX2 PF_INLINE __m256i transpose_sum(const __m256i* z) {
+  const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(z[0], z[1]), _mm256_unpackhi_epi32(z[0], z[1]));
+  const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(z[2], z[3]), _mm256_unpackhi_epi32(z[2], z[3]));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+}
+
+PF_AVX2 PF_INLINE __m256i lanes_i(const int32_t* v4, __m256i idx_i) {
+  return _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_load_si128((const __m128i*)v4)), idx_i);
+}
+
+// Exact block sums of the 8 pairs with the offset corrections (quant.h). zl / zh: the dots of the
+// low / high halves (Q6_K) or z = zl, both halves (other types).
+template <DType WT, bool VNNI>
+PF_AVX2 PF_INLINE __m256i block_sums(const QCtx& c, int64_t b, int jt, const __m256i* zl, const __m256i* zh, const int32_t* sx4,
+                                     const int32_t* hx4, __m256i idx_i, __m256i idx_j) {
+  if constexpr (WT == DType::Q6_K) {
+    const __m256i sx = lanes_i(sx4, idx_i), hx = lanes_i(hx4, idx_i);
+    const __m256i rl = _mm256_sub_epi32(transpose_sum(zl), _mm256_slli_epi32(hx, 5));
+    const __m256i rh = _mm256_sub_epi32(transpose_sum(zh), _mm256_slli_epi32(_mm256_sub_epi32(sx, hx), 5));
+    const __m256i sl = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(c.slo + b * 16 + jt)), idx_j);
+    const __m256i sh = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(c.shi + b * 16 + jt)), idx_j);
+    return _mm256_add_epi32(_mm256_mullo_epi32(sl, rl), _mm256_mullo_epi32(sh, rh));
+  } else {
+    (void)zh;
+    (void)hx4;
+    (void)jt;
+    (void)idx_j;
+    __m256i r = transpose_sum(zl);
+    if constexpr (kOffsetShift<WT> > 0 || (WT == DType::Q8_0 && VNNI))
+      r = _mm256_sub_epi32(r, _mm256_slli_epi32(lanes_i(sx4, idx_i), WT == DType::Q8_0 ? 7 : kOffsetShift<WT>));
+    return r;
+  }
+}
+
+// The 8 lanes' weight scale (and min): lane p -> weight row jt + p / RM. GATHER (one activation
+// row, 32-block types: lane p = row jt + p) reads them from the blocks instead of c.dwc / c.mwc.
+template <DType WT, bool GATHER>
+PF_AVX2 PF_INLINE void weight_scales(const QCtx& c, int64_t b, int jt, __m256i idx_j, __m256& dw, __m256& mw) {
+  if constexpr (GATHER) {
+    const __m256i g = _mm256_i32gather_epi32((const int*)(c.rows[0] + b * c.bs),
+                                             _mm256_load_si256((const __m256i*)(c.offs + jt)), 1);
+    const __m256i pk = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(g, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(g, 16)),
+        _MM_SHUFFLE(3, 1, 2, 0));
+    dw = _mm256_cvtph_ps(_mm256_castsi256_si128(pk));
+    mw = _mm256_cvtph_ps(_mm256_extracti128_si256(pk, 1));
+  } else {
+    dw = _mm256_permutevar8x32_ps(_mm256_loadu_ps(c.dwc + b * 16 + jt), idx_j);
+    mw = kHasMin<WT> ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(c.mwc + b * 16 + jt), idx_j) : dw;
+  }
+}
+
+template <DType WT>
+PF_AVX2 PF_INLINE __m256 float_stage(__m256 acc, __m256i r, const float* dx4, const float* fx4, __m256 dw, __m256 mw,
+                                     __m256i idx_i) {
+  const __m256 dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ps(dx4)), idx_i);
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, dw), _mm256_cvtepi32_ps(r), acc);
+  if constexpr (kHasMin<WT>) {
+    const __m256 fx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ps(fx4)), idx_i);
+    acc = _mm256_fmadd_ps(mw, fx, acc);
+  }
+  return acc;
 }
 
 // 8 pairs: RM activation rows from m (same group of 4), weight rows jt .. jt + 8/RM. The body is
 // shared by the plain AVX2 and the AVX-VNNI versions (a macro, since a function compiled for
 // plain AVX2 cannot inline the VNNI intrinsic).
-#define PF_QTILE_BODY(VNNI, DOT)                                                                        \
+#define PF_QTILE_BODY(VNNI, DOT1, DOT2)                                                                 \
   constexpr int ND = 4 / RM; /* weight duals */                                                         \
   const int64_t nb = c.nb, K = c.K;                                                                     \
   const int bs = c.bs;                                                                                  \
@@ -132,80 +279,112 @@ PF_AVX2 PF_INLINE __m256i dot_dual(__m256i wlo, __m256i whi, __m256i xlo, __m256
   const float* md = a.d + g0;                                                                           \
   const int32_t* ms = a.s + g0;                                                                         \
   const float* mf = a.f + g0;                                                                           \
+  const int32_t* mh = a.h + g0;                                                                         \
   __m256 acc = _mm256_setzero_ps();                                                                     \
-  for (int64_t b = 0; b < nb; ++b) {                                                                    \
-    const int64_t wo = b * bs;                                                                          \
+  constexpr int STEP = kStep<WT>;                                                                       \
+  for (int64_t b0 = 0; b0 < nb; b0 += STEP) {                                                           \
+   __m256i wlos[STEP][ND], whis[STEP][ND];                                                              \
+   for (int h = 0; h < ND; ++h) {                                                                       \
+     if constexpr (STEP == 2) {                                                                         \
+       __m256i lo2[2], hi2[2];                                                                          \
+       load_dual_pair<WT>(wr[h * 2], wr[h * 2 + 1], b0, lo2, hi2);                                     \
+       for (int t = 0; t < 2; ++t) {                                                                    \
+         wlos[t][h] = lo2[t];                                                                           \
+         whis[t][h] = hi2[t];                                                                           \
+       }                                                                                                \
+     } else {                                                                                           \
+       load_dual<WT, VNNI>(wr[h * 2], wr[h * 2 + 1], b0, bs, wlos[0][h], whis[0][h]);                   \
+     }                                                                                                  \
+   }                                                                                                    \
+   for (int st = 0; st < STEP; ++st) {                                                                  \
+    const int64_t b = b0 + st;                                                                          \
     if (RM == 1)                                                                                        \
       for (int64_t o = 0; o < c.pf_step; o += 64)                                                       \
         _mm_prefetch((const char*)c.pf + b * c.pf_step + o, _MM_HINT_T1);                               \
-    __m256i wlo[ND], whi[ND];                                                                           \
-    for (int h = 0; h < ND; ++h) load_dual<WT, VNNI>(wr[h * 2] + wo, wr[h * 2 + 1] + wo, wlo[h], whi[h]); \
-    __m256i z[4];                                                                                       \
+    const __m256i* wlo = wlos[st];                                                                      \
+    const __m256i* whi = whis[st];                                                                      \
+    __m256i zl[4], zh[4];                                                                               \
     for (int i = 0; i < RM; ++i) {                                                                      \
       const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xq[i] + b * QK)));      \
       const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xq[i] + b * QK + 16))); \
-      for (int h = 0; h < ND; ++h) z[h * RM + i] = DOT(wlo[h], whi[h], xlo, xhi);                       \
+      for (int h = 0; h < ND; ++h) {                                                                    \
+        if constexpr (WT == DType::Q6_K) {                                                              \
+          zl[h * RM + i] = DOT1(wlo[h], xlo);                                                           \
+          zh[h * RM + i] = DOT1(whi[h], xhi);                                                           \
+        } else {                                                                                        \
+          zl[h * RM + i] = DOT2(wlo[h], whi[h], xlo, xhi);                                              \
+        }                                                                                               \
+      }                                                                                                 \
     }                                                                                                   \
-    const __m256i r = block_sums<WT, VNNI>(z, ms + b * 4, idx_i);                                       \
+    const __m256i r = block_sums<WT, VNNI>(c, b, jt, zl, zh, ms + b * 4, mh + b * 4, idx_i, idx_j);         \
     __m256 dwv, mwv;                                                                                    \
     weight_scales<WT, GATHER>(c, b, jt, idx_j, dwv, mwv);                                               \
     acc = float_stage<WT>(acc, r, md + b * 4, mf + b * 4, dwv, mwv, idx_i);                             \
+   }                                                                                                    \
   }                                                                                                     \
   _mm256_storeu_ps(out, acc);
 
-// Exact block sums of the 8 pairs (lane 4L + q = 128-bit lane L of z[q]), with the Q4_0 / biased
-// Q8_0 correction.
-template <DType WT, bool VNNI>
-PF_AVX2 PF_INLINE __m256i block_sums(const __m256i* z, const int32_t* sx4, __m256i idx_i) {
-  const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(z[0], z[1]), _mm256_unpackhi_epi32(z[0], z[1]));
-  const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(z[2], z[3]), _mm256_unpackhi_epi32(z[2], z[3]));
-  __m256i r = _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
-  if constexpr (WT == DType::Q4_0 || (WT == DType::Q8_0 && VNNI)) {
-    const __m256i sx = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_load_si128((const __m128i*)sx4)), idx_i);
-    r = _mm256_sub_epi32(r, _mm256_slli_epi32(sx, WT == DType::Q8_0 ? 7 : 3));
-  }
-  return r;
-}
-
-// The 8 lanes' weight scale (and Q4_1 min): lane p -> weight row jt + p / RM. GATHER (one
-// activation row: lane p = row jt + p) reads them from the blocks instead of c.dwc / c.mwc.
-template <DType WT, bool GATHER>
-PF_AVX2 PF_INLINE void weight_scales(const QCtx& c, int64_t b, int jt, __m256i idx_j, __m256& dw, __m256& mw) {
-  if constexpr (GATHER) {
-    const __m256i g = _mm256_i32gather_epi32((const int*)(c.rows[0] + b * c.bs),
-                                             _mm256_load_si256((const __m256i*)(c.offs + jt)), 1);
-    const __m256i pk = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(_mm256_and_si256(g, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(g, 16)),
-        _MM_SHUFFLE(3, 1, 2, 0));
-    dw = _mm256_cvtph_ps(_mm256_castsi256_si128(pk));
-    mw = _mm256_cvtph_ps(_mm256_extracti128_si256(pk, 1));
-  } else {
-    dw = _mm256_permutevar8x32_ps(_mm256_loadu_ps(c.dwc + b * 16 + jt), idx_j);
-    mw = WT == DType::Q4_1 ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(c.mwc + b * 16 + jt), idx_j) : dw;
-  }
-}
-
-template <DType WT>
-PF_AVX2 PF_INLINE __m256 float_stage(__m256 acc, __m256i r, const float* dx4, const float* fx4, __m256 dw, __m256 mw,
-                                     __m256i idx_i) {
-  const __m256 dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ps(dx4)), idx_i);
-  acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, dw), _mm256_cvtepi32_ps(r), acc);
-  if constexpr (WT == DType::Q4_1) {
-    const __m256 fx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ps(fx4)), idx_i);
-    acc = _mm256_fmadd_ps(mw, fx, acc);
-  }
-  return acc;
-}
-
 template <DType WT, int RM, bool GATHER = false>
 PF_AVX2 void qtile(const QCtx& c, const ActQ& a, int64_t m, int jt, float* out) {
-  PF_QTILE_BODY(false, dot_dual<WT>)
+  PF_QTILE_BODY(false, dot_u, dot2_u<WT>)
 }
 template <DType WT, int RM, bool GATHER = false>
 PF_AVXVNNI void qtile_vnni(const QCtx& c, const ActQ& a, int64_t m, int jt, float* out) {
-  PF_QTILE_BODY(true, dot_dual_vnni<WT>)
+  PF_QTILE_BODY(true, dot_vnni, dot2_vnni)
 }
 #undef PF_QTILE_BODY
+
+// fill_ktables (mm_common.h) eight rows at a time: per super-block, gathers of the packed scale
+// bytes and fp16 scales, unpacked with vector bit operations.
+template <DType WT>
+PF_AVX2 void fill_ktables_avx2(const QCtx& c, float* dw, float* mw, int32_t* slo, int32_t* shi) {
+  constexpr int SB = kSuperBytes<WT>;
+  const __m256i m16 = _mm256_set1_epi32(0xFFFF);
+  for (int hlf = 0; hlf < 2; ++hlf) {
+    const __m256i vo = _mm256_load_si256((const __m256i*)(c.offs + 8 * hlf));
+    for (int64_t B = 0; B < c.nb / 8; ++B) {
+      const int* base = (const int*)(c.rows[0] + B * SB);
+      const int64_t t0 = B * 8 * 16 + 8 * hlf;  // table index of (block 8B, row 8 hlf)
+      if constexpr (WT == DType::Q6_K) {
+        const __m256i dg = _mm256_srli_epi32(_mm256_i32gather_epi32((const int*)((const uint8_t*)base + 206), vo, 1), 16);
+        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(
+            _mm256_permute4x64_epi64(_mm256_packus_epi32(dg, dg), _MM_SHUFFLE(3, 1, 2, 0))));
+        for (int k = 0; k < 4; ++k) {
+          const __m256i g = _mm256_i32gather_epi32((const int*)((const uint8_t*)base + 192 + 4 * k), vo, 1);
+          for (int t = 0; t < 2; ++t) {
+            const int64_t i = t0 + (2 * k + t) * 16;
+            _mm256_storeu_ps(dw + i, d);
+            _mm256_storeu_si256((__m256i*)(slo + i), _mm256_srai_epi32(_mm256_slli_epi32(g, 24 - 16 * t), 24));
+            _mm256_storeu_si256((__m256i*)(shi + i), _mm256_srai_epi32(_mm256_slli_epi32(g, 16 - 16 * t), 24));
+          }
+        }
+      } else {
+        const __m256i dd = _mm256_i32gather_epi32(base, vo, 1);
+        const __m256i pk = _mm256_permute4x64_epi64(
+            _mm256_packus_epi32(_mm256_and_si256(dd, m16), _mm256_srli_epi32(dd, 16)), _MM_SHUFFLE(3, 1, 2, 0));
+        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(pk));
+        const __m256 dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(pk, 1));
+        const __m256i a = _mm256_i32gather_epi32((const int*)((const uint8_t*)base + 4), vo, 1);   // scales[0..3]
+        const __m256i b = _mm256_i32gather_epi32((const int*)((const uint8_t*)base + 8), vo, 1);   // scales[4..7]
+        const __m256i e = _mm256_i32gather_epi32((const int*)((const uint8_t*)base + 12), vo, 1);  // scales[8..11]
+        const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15), m2 = _mm256_set1_epi32(0x30);
+        const __m256 neg = _mm256_set1_ps(-0.0f);  // exact negation, as -(dmin * m)
+        for (int j = 0; j < 4; ++j) {
+          const __m256i sc = _mm256_and_si256(_mm256_srli_epi32(a, 8 * j), m6);
+          const __m256i mn = _mm256_and_si256(_mm256_srli_epi32(b, 8 * j), m6);
+          const __m256i sc4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(e, 8 * j), m4),
+                                              _mm256_and_si256(_mm256_srli_epi32(a, 8 * j + 2), m2));
+          const __m256i mn4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(e, 8 * j + 4), m4),
+                                              _mm256_and_si256(_mm256_srli_epi32(b, 8 * j + 2), m2));
+          _mm256_storeu_ps(dw + t0 + j * 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+          _mm256_storeu_ps(mw + t0 + j * 16, _mm256_xor_ps(neg, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn))));
+          _mm256_storeu_ps(dw + t0 + (j + 4) * 16, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc4)));
+          _mm256_storeu_ps(mw + t0 + (j + 4) * 16, _mm256_xor_ps(neg, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn4))));
+        }
+      }
+    }
+  }
+}
 
 template <DType WT>
 PF_AVX2 void qgemm_t(const QJob& j, bool vnni) {
@@ -215,20 +394,28 @@ PF_AVX2 void qgemm_t(const QJob& j, bool vnni) {
   c.nb = j.a.nb;
   c.K = j.a.K;
   c.bs = wblock_bytes(WT);
+  const int64_t tab = c.nb * 16 + 16;  // one [nb][16] table (+ padding)
   float* dwc = j.scratch;
-  float* mwc = j.scratch + c.nb * 16 + 16;
+  float* mwc = j.scratch + tab;
+  int32_t* slo = reinterpret_cast<int32_t*>(j.scratch + 2 * tab);
+  int32_t* shi = reinterpret_cast<int32_t*>(j.scratch + 3 * tab);
   c.dwc = dwc;
   c.mwc = mwc;
+  c.slo = slo;
+  c.shi = shi;
   c.pf = j.w + (j.n0 + 32) * j.w_stride;
   // Software prefetch only helps short rows (the hardware prefetchers follow long streams).
   c.pf_step = j.w_stride <= 2048 ? ((16 * j.w_stride + c.nb - 1) / c.nb + 63) & ~(int64_t)63 : 0;
   const int64_t span = (int64_t)(c.rows[15] - c.rows[0]);
   const bool gather_ok = span <= INT32_MAX && span >= INT32_MIN;
   for (int r = 0; r < 16; ++r) c.offs[r] = gather_ok ? (int32_t)(c.rows[r] - c.rows[0]) : 0;
-  // A single activation row reads the block scales inside the kernel; otherwise they are
-  // converted once per chunk into [b][row] tables.
-  const bool single = j.m1 - j.m0 == 1 && gather_ok;
-  if (single) {
+  // A single activation row reads the block scales inside the kernel (32-block types);
+  // otherwise they are converted once per chunk into [b][row] tables.
+  const bool single = !kIsK<WT> && j.m1 - j.m0 == 1 && gather_ok;
+  if constexpr (kIsK<WT>) {
+    if (gather_ok) fill_ktables_avx2<WT>(c, dwc, mwc, slo, shi);
+    else fill_ktables<WT>(c.rows, c.nb, dwc, mwc, slo, shi);
+  } else if (single) {
     // nothing to precompute
   } else if (gather_ok) {
     const __m256i vo0 = _mm256_load_si256((const __m256i*)c.offs), vo1 = _mm256_load_si256((const __m256i*)(c.offs + 8));
@@ -241,7 +428,7 @@ PF_AVX2 void qgemm_t(const QJob& j, bool vnni) {
         const __m256i pk = _mm256_permute4x64_epi64(
             _mm256_packus_epi32(_mm256_and_si256(g, m16), _mm256_srli_epi32(g, 16)), _MM_SHUFFLE(3, 1, 2, 0));
         _mm256_storeu_ps(dwc + b * 16 + hlf * 8, _mm256_cvtph_ps(_mm256_castsi256_si128(pk)));
-        if (WT == DType::Q4_1) _mm256_storeu_ps(mwc + b * 16 + hlf * 8, _mm256_cvtph_ps(_mm256_extracti128_si256(pk, 1)));
+        if (kHasMin<WT>) _mm256_storeu_ps(mwc + b * 16 + hlf * 8, _mm256_cvtph_ps(_mm256_extracti128_si256(pk, 1)));
       }
     }
   } else {
@@ -250,7 +437,7 @@ PF_AVX2 void qgemm_t(const QJob& j, bool vnni) {
         uint16_t v[2];
         std::memcpy(v, c.rows[r] + b * c.bs, 4);
         dwc[b * 16 + r] = fp16_to_fp32(v[0]);
-        if (WT == DType::Q4_1) mwc[b * 16 + r] = fp16_to_fp32(v[1]);
+        if (kHasMin<WT>) mwc[b * 16 + r] = fp16_to_fp32(v[1]);
       }
   }
   alignas(32) float out[8];
@@ -263,12 +450,12 @@ PF_AVX2 void qgemm_t(const QJob& j, bool vnni) {
       if (vnni) {
         if (RM == 4) qtile_vnni<WT, 4>(c, j.a, m, jt, out);
         else if (RM == 2) qtile_vnni<WT, 2>(c, j.a, m, jt, out);
-        else if (single) qtile_vnni<WT, 1, true>(c, j.a, m, jt, out);
+        else if (single) qtile_vnni<WT, 1, !kIsK<WT>>(c, j.a, m, jt, out);
         else qtile_vnni<WT, 1>(c, j.a, m, jt, out);
       } else {
         if (RM == 4) qtile<WT, 4>(c, j.a, m, jt, out);
         else if (RM == 2) qtile<WT, 2>(c, j.a, m, jt, out);
-        else if (single) qtile<WT, 1, true>(c, j.a, m, jt, out);
+        else if (single) qtile<WT, 1, !kIsK<WT>>(c, j.a, m, jt, out);
         else qtile<WT, 1>(c, j.a, m, jt, out);
       }
       for (int i = 0; i < RM; ++i) {
@@ -395,7 +582,12 @@ void qgemm_avx2(const QJob& j) {
     case DType::Q4_0: qgemm_t<DType::Q4_0>(j, vnni); break;
     case DType::Q4_1: qgemm_t<DType::Q4_1>(j, vnni); break;
     case DType::Q8_0: qgemm_t<DType::Q8_0>(j, vnni); break;
-    default: break;
+    case DType::Q5_0: qgemm_t<DType::Q5_0>(j, vnni); break;
+    case DType::Q5_1: qgemm_t<DType::Q5_1>(j, vnni); break;
+    case DType::Q4_K: qgemm_t<DType::Q4_K>(j, vnni); break;
+    case DType::Q5_K: qgemm_t<DType::Q5_K>(j, vnni); break;
+    case DType::Q6_K: qgemm_t<DType::Q6_K>(j, vnni); break;
+    default: qgemm_scalar(j); break;
   }
 }
 
@@ -415,7 +607,7 @@ void fgemm_avx2(const FJob& j) {
 #include "cpu/quant/quant.h"
 namespace pyfast {
 namespace mm {
-void quant_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, float* f, int64_t nb) { quant_act_scalar(x, q, d, s, f, nb); }
+void quant_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb) { quant_act_scalar(x, q, d, s, f, h, nb); }
 void qgemm_avx2(const QJob& j) { qgemm_scalar(j); }
 void avx2_use_vnni(bool) {}
 bool avx2_uses_vnni() { return false; }

@@ -15,6 +15,7 @@
 
 #include <cstring>
 
+#include "cpu/quant/mm_common.h"
 #include "cpu/quant/quant.h"
 
 #define PF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -33,7 +34,7 @@ PF_AVX512 PF_INLINE __m512i clamp127(__m512i v) {
 
 }  // namespace
 
-PF_AVX512 void quant_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, float* f, int64_t nb) {
+PF_AVX512 void quant_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb) {
   for (int64_t b = 0; b < nb; ++b, x += QK, q += QK) {
     const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -44,10 +45,12 @@ PF_AVX512 void quant_act_avx512(const float* x, int8_t* q, float* d, int32_t* s,
     const __m512i i1 = clamp127(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid)));
     _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(i0));
     _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(i1));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    const int32_t half = _mm512_reduce_add_epi32(i0);
+    const int32_t sum = half + _mm512_reduce_add_epi32(i1);
     d[b * 4] = db;
     s[b * 4] = sum;
     f[b * 4] = db * (float)sum;
+    h[b * 4] = half;
   }
 }
 
@@ -58,46 +61,110 @@ namespace {
 struct QCtx {
   const uint8_t* rows[16];  // weight rows of the chunk (clamped to the last valid one)
   const float* dwc;         // [nb][16] weight block scales (f32)
-  const float* mwc;         // [nb][16] weight block mins (Q4_1)
+  const float* mwc;         // [nb][16] weight block mins (types with a min)
+  const int32_t* slo;       // [nb][16] Q6_K sub-scales of each block's first / second half
+  const int32_t* shi;
   int64_t nb, K;
-  int bs;                   // weight block bytes
+  int bs;                   // weight block bytes (32-block types)
   __m512i offs;             // byte offsets of the rows from rows[0] (when span fits int32)
   bool gather_ok;
   const uint8_t* pf;        // the chunk after next, prefetched (into L2) while this one runs
   int64_t pf_step;          // bytes of it to prefetch per block
 };
 
-// Weight quad: four weight blocks (one per 128-bit lane), low and high 16 elements, as u8.
+// 16 bytes at byte offset `off` of each of 4 rows, one row per 128-bit lane.
+PF_AVX512 PF_INLINE __m512i load4(const uint8_t* const* r, int64_t off) {
+  __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(r[0] + off)));
+  a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r[1] + off)), 1);
+  a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r[2] + off)), 2);
+  return _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r[3] + off)), 3);
+}
+
+PF_AVX512 PF_INLINE __m512i srl8(__m512i v, int sh) { return _mm512_srl_epi16(v, _mm_cvtsi32_si128(sh)); }
+
+// Weight quad: block b of four weight rows (one per 128-bit lane), low and high 16 elements, as
+// u8 codes (Q8_0: biased by +128). 32-block types only.
 template <DType WT>
-PF_AVX512 PF_INLINE void load_quad(const uint8_t* r0, const uint8_t* r1, const uint8_t* r2,
-                                   const uint8_t* r3, __m512i& lo, __m512i& hi) {
+PF_AVX512 PF_INLINE void load_quad(const uint8_t* const* r, int64_t b, int bs, __m512i& lo, __m512i& hi) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
   if constexpr (WT == DType::Q8_0) {
-    __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(r0 + 2)));
-    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r1 + 2)), 1);
-    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r2 + 2)), 2);
-    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r3 + 2)), 3);
-    __m512i c = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(r0 + 18)));
-    c = _mm512_inserti32x4(c, _mm_loadu_si128((const __m128i*)(r1 + 18)), 1);
-    c = _mm512_inserti32x4(c, _mm_loadu_si128((const __m128i*)(r2 + 18)), 2);
-    c = _mm512_inserti32x4(c, _mm_loadu_si128((const __m128i*)(r3 + 18)), 3);
     const __m512i bias = _mm512_set1_epi8((char)0x80);  // s8 -> u8 (+128)
-    lo = _mm512_xor_si512(a, bias);
-    hi = _mm512_xor_si512(c, bias);
-  } else {
-    constexpr int off = WT == DType::Q4_1 ? 4 : 2;
-    __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(r0 + off)));
-    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r1 + off)), 1);
-    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r2 + off)), 2);
-    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(r3 + off)), 3);
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    lo = _mm512_xor_si512(load4(r, b * bs + 2), bias);
+    hi = _mm512_xor_si512(load4(r, b * bs + 18), bias);
+  } else if constexpr (WT == DType::Q4_0 || WT == DType::Q4_1) {
+    const __m512i a = load4(r, b * bs + (WT == DType::Q4_1 ? 4 : 2));
     lo = _mm512_and_si512(a, m4);
     hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
+  } else if constexpr (WT == DType::Q5_0 || WT == DType::Q5_1) {
+    constexpr int ho = WT == DType::Q5_1 ? 4 : 2;  // qh; qs follows it
+    const __m512i a = load4(r, b * bs + ho + 4);
+    uint64_t mlo = 0, mhi = 0;  // bit 4 of the codes: bit (16 L + k) = element k of row L's half
+    for (int L = 0; L < 4; ++L) {
+      uint32_t qh;
+      std::memcpy(&qh, r[L] + b * bs + ho, 4);
+      mlo |= (uint64_t)(qh & 0xFFFF) << (16 * L);
+      mhi |= (uint64_t)(qh >> 16) << (16 * L);
+    }
+    const __m512i b4 = _mm512_set1_epi8(0x10);
+    lo = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_maskz_mov_epi8(mlo, b4));
+    hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m4), _mm512_maskz_mov_epi8(mhi, b4));
+  } else {
+    static_assert(!kIsK<WT>, "K-quants load two blocks at a time (load_pair)");
   }
 }
 
+// K-quants: blocks b and b + 1 (b even) of four weight rows at once. Q4_K / Q5_K keep both in the
+// same 32 bytes (low / high nibbles); Q6_K's two blocks share their high-bit bytes.
+template <DType WT>
+constexpr int kStep = kIsK<WT> ? 2 : 1;
+
+template <DType WT>
+PF_AVX512 PF_INLINE void load_pair(const uint8_t* const* r, int64_t b, __m512i* lo, __m512i* hi) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const int j = (int)(b & 7);
+  if constexpr (WT == DType::Q4_K || WT == DType::Q5_K) {
+    constexpr int SB = kSuperBytes<WT>;
+    const int64_t sb = (b >> 3) * SB;
+    const int64_t qo = sb + (WT == DType::Q4_K ? 16 : 48) + 32 * (j >> 1);
+    const __m512i a = load4(r, qo), c = load4(r, qo + 16);
+    lo[0] = _mm512_and_si512(a, m4);
+    hi[0] = _mm512_and_si512(c, m4);
+    lo[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
+    hi[1] = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
+    if constexpr (WT == DType::Q5_K) {
+      const __m512i qa = load4(r, sb + 16), qc = load4(r, sb + 32), b4 = _mm512_set1_epi8(0x10);
+      for (int t = 0; t < 2; ++t) {
+        const __m512i bit = _mm512_set1_epi8((char)(1 << (j + t)));
+        lo[t] = _mm512_or_si512(lo[t], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qa, bit), b4));
+        hi[t] = _mm512_or_si512(hi[t], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qc, bit), b4));
+      }
+    }
+  } else {  // Q6_K
+    const int64_t sb = (b >> 3) * 210;
+    const int64_t qo = sb + 64 * (j >> 2), ho = sb + 128 + 32 * (j >> 2);
+    const int s1 = 4 * ((j >> 1) & 1), s2 = 2 * (j & 3);
+    const __m512i m2 = _mm512_set1_epi8(3);
+    const __m512i ha = load4(r, ho), hc = load4(r, ho + 16);
+    for (int t = 0; t < 2; ++t) {
+      lo[t] = _mm512_or_si512(_mm512_and_si512(srl8(load4(r, qo + 32 * t), s1), m4),
+                              _mm512_slli_epi16(_mm512_and_si512(srl8(ha, s2 + 2 * t), m2), 4));
+      hi[t] = _mm512_or_si512(_mm512_and_si512(srl8(load4(r, qo + 32 * t + 16), s1), m4),
+                              _mm512_slli_epi16(_mm512_and_si512(srl8(hc, s2 + 2 * t), m2), 4));
+    }
+  }
+}
+
+// lane 4L + q of the result = sum of the 4 int32 partials in 128-bit lane L of z[q].
+PF_AVX512 PF_INLINE __m512i transpose_sum(const __m512i* z) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpackhi_epi32(z[0], z[1]));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2], z[3]), _mm512_unpackhi_epi32(z[2], z[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
 // 16 pairs: RM activation rows starting at m (same group of 4), weight rows jt .. jt + 16/RM.
-// GATHER (RM = 1 only): read the 16 rows' block scales in the loop instead of from c.dwc / c.mwc
-// (the same values; for a single activation row a separate pass over the weights costs more).
+// GATHER (RM = 1 only, 32-block types): read the 16 rows' block scales in the loop instead of
+// from c.dwc / c.mwc (the same values; for a single activation row a separate pass over the
+// weights costs more).
 template <DType WT, int RM, bool GATHER = false>
 PF_AVX512 void qtile(const QCtx& c, const ActQ& a, int64_t m, int jt, float* out) {
   static_assert(!GATHER || RM == 1, "gather only for one activation row");
@@ -120,50 +187,135 @@ PF_AVX512 void qtile(const QCtx& c, const ActQ& a, int64_t m, int jt, float* out
   const float* md = a.d + g0;
   const int32_t* ms = a.s + g0;
   const float* mf = a.f + g0;
+  const int32_t* mh = a.h + g0;
   __m512 acc = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t wo = b * bs;
+  // STEP blocks share their weight loads (K-quants: 2); they are then accumulated one by one, in
+  // block order (the arithmetic of quant.h is unchanged).
+  constexpr int STEP = kStep<WT>;
+  for (int64_t b0 = 0; b0 < nb; b0 += STEP) {
+   __m512i wlos[STEP][NQ], whis[STEP][NQ];
+   for (int h = 0; h < NQ; ++h) {
+     if constexpr (STEP == 2) {
+       __m512i lo[2], hi[2];
+       load_pair<WT>(wr + h * 4, b0, lo, hi);
+       for (int t = 0; t < 2; ++t) {
+         wlos[t][h] = lo[t];
+         whis[t][h] = hi[t];
+       }
+     } else {
+       load_quad<WT>(wr + h * 4, b0, bs, wlos[0][h], whis[0][h]);
+     }
+   }
+   for (int st = 0; st < STEP; ++st) {
+    const int64_t b = b0 + st;
     if (RM == 1)
       for (int64_t o = 0; o < c.pf_step; o += 64) _mm_prefetch((const char*)c.pf + b * c.pf_step + o, _MM_HINT_T1);
-    __m512i wlo[NQ], whi[NQ];
-    for (int h = 0; h < NQ; ++h)
-      load_quad<WT>(wr[h * 4 + 0] + wo, wr[h * 4 + 1] + wo, wr[h * 4 + 2] + wo, wr[h * 4 + 3] + wo,
-                    wlo[h], whi[h]);
-    __m512i z[4];
-    for (int i = 0; i < RM; ++i) {
-      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq[i] + b * QK)));
-      const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq[i] + b * QK + 16)));
-      for (int h = 0; h < NQ; ++h)
-        z[h * RM + i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, wlo[h], xlo), whi[h], xhi);
-    }
-    // lane 4L + q of r = sum of the 4 partials in 128-bit lane L of z[q].
-    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpackhi_epi32(z[0], z[1]));
-    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2], z[3]), _mm512_unpackhi_epi32(z[2], z[3]));
-    __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
-    if constexpr (WT != DType::Q4_1) {
+    const __m512i* wlo = wlos[st];
+    const __m512i* whi = whis[st];
+    __m512i r;
+    if constexpr (WT == DType::Q6_K) {
+      __m512i zl[4], zh[4];
+      for (int i = 0; i < RM; ++i) {
+        const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq[i] + b * QK)));
+        const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq[i] + b * QK + 16)));
+        for (int h = 0; h < NQ; ++h) {
+          zl[h * RM + i] = _mm512_dpbusd_epi32(zero, wlo[h], xlo);
+          zh[h * RM + i] = _mm512_dpbusd_epi32(zero, whi[h], xhi);
+        }
+      }
       const __m512i sx = _mm512_permutexvar_epi32(idx_i, _mm512_castsi128_si512(_mm_load_si128((const __m128i*)(ms + b * 4))));
-      r = _mm512_sub_epi32(r, _mm512_slli_epi32(sx, WT == DType::Q8_0 ? 7 : 3));
+      const __m512i hx = _mm512_permutexvar_epi32(idx_i, _mm512_castsi128_si512(_mm_load_si128((const __m128i*)(mh + b * 4))));
+      const __m512i rl = _mm512_sub_epi32(transpose_sum(zl), _mm512_slli_epi32(hx, 5));
+      const __m512i rh = _mm512_sub_epi32(transpose_sum(zh), _mm512_slli_epi32(_mm512_sub_epi32(sx, hx), 5));
+      const __m512i sl = _mm512_permutexvar_epi32(idx_j, _mm512_load_si512(c.slo + b * 16));
+      const __m512i sh = _mm512_permutexvar_epi32(idx_j, _mm512_load_si512(c.shi + b * 16));
+      r = _mm512_add_epi32(_mm512_mullo_epi32(sl, rl), _mm512_mullo_epi32(sh, rh));
+    } else {
+      __m512i z[4];
+      for (int i = 0; i < RM; ++i) {
+        const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq[i] + b * QK)));
+        const __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xq[i] + b * QK + 16)));
+        for (int h = 0; h < NQ; ++h)
+          z[h * RM + i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, wlo[h], xlo), whi[h], xhi);
+      }
+      r = transpose_sum(z);
+      if constexpr (WT == DType::Q8_0 || kOffsetShift<WT> > 0) {
+        const __m512i sx = _mm512_permutexvar_epi32(idx_i, _mm512_castsi128_si512(_mm_load_si128((const __m128i*)(ms + b * 4))));
+        r = _mm512_sub_epi32(r, _mm512_slli_epi32(sx, WT == DType::Q8_0 ? 7 : kOffsetShift<WT>));
+      }
     }
     __m512 dw, mw;
     if constexpr (GATHER) {
-      const __m512i g = _mm512_i32gather_epi32(c.offs, c.rows[0] + wo, 1);
+      const __m512i g = _mm512_i32gather_epi32(c.offs, c.rows[0] + b * bs, 1);
       dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-      mw = WT == DType::Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))) : dw;
+      mw = kHasMin<WT> ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))) : dw;
     } else {
       dw = _mm512_permutexvar_ps(idx_j, _mm512_load_ps(c.dwc + b * 16));
-      mw = WT == DType::Q4_1 ? _mm512_permutexvar_ps(idx_j, _mm512_load_ps(c.mwc + b * 16)) : dw;
+      mw = kHasMin<WT> ? _mm512_permutexvar_ps(idx_j, _mm512_load_ps(c.mwc + b * 16)) : dw;
     }
     const __m512 dx = RM == 1 ? _mm512_set1_ps(md[b * 4 + ioff])
                               : _mm512_permutexvar_ps(idx_i, _mm512_castps128_ps512(_mm_load_ps(md + b * 4)));
     acc = _mm512_fmadd_ps(_mm512_mul_ps(dx, dw), _mm512_cvtepi32_ps(r), acc);
-    if constexpr (WT == DType::Q4_1) {
+    if constexpr (kHasMin<WT>) {
       const __m512 fx = RM == 1 ? _mm512_set1_ps(mf[b * 4 + ioff])
                                 : _mm512_permutexvar_ps(idx_i, _mm512_castps128_ps512(_mm_load_ps(mf + b * 4)));
       acc = _mm512_fmadd_ps(mw, fx, acc);
     }
+   }
   }
   _mm512_storeu_ps(out, acc);
+}
+
+// -v exactly (sign flip, as the scalar -(dmin * m); AVX-512F has no float xor).
+PF_AVX512 PF_INLINE __m512 neg_ps(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+}
+
+// fill_ktables (mm_common.h) for the 16 rows at once: per super-block, gathers of the packed
+// scale bytes and fp16 scales of all rows, unpacked with vector bit operations.
+template <DType WT>
+PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t* slo, int32_t* shi) {
+  constexpr int SB = kSuperBytes<WT>;
+  for (int64_t B = 0; B < c.nb / 8; ++B) {
+    const uint8_t* base = c.rows[0] + B * SB;
+    float* dwb = dw + B * 8 * 16;
+    if constexpr (WT == DType::Q6_K) {
+      // scales[14], scales[15], d: the fp16 d is the high half (stays inside the block)
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(c.offs, base + 206, 1), 16)));
+      for (int k = 0; k < 4; ++k) {
+        const __m512i g = _mm512_i32gather_epi32(c.offs, base + 192 + 4 * k, 1);  // scales[4k .. 4k+3]
+        for (int t = 0; t < 2; ++t) {
+          const int j = 2 * k + t;
+          _mm512_store_ps(dwb + j * 16, d);
+          _mm512_store_si512(slo + (B * 8 + j) * 16, _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 16 * t), 24));
+          _mm512_store_si512(shi + (B * 8 + j) * 16, _mm512_srai_epi32(_mm512_slli_epi32(g, 16 - 16 * t), 24));
+        }
+      }
+    } else {
+      const __m512i dd = _mm512_i32gather_epi32(c.offs, base, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+      const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+      const __m512i a = _mm512_i32gather_epi32(c.offs, base + 4, 1);   // scales[0..3]
+      const __m512i b = _mm512_i32gather_epi32(c.offs, base + 8, 1);   // scales[4..7]
+      const __m512i e = _mm512_i32gather_epi32(c.offs, base + 12, 1);  // scales[8..11]
+      const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(0x30);
+      float* mwb = mw + B * 8 * 16;
+      for (int j = 0; j < 4; ++j) {
+        const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(a, 8 * j), m6);
+        const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(b, 8 * j), m6);
+        // j + 4: low 4 bits from scales[8 + j], high 2 bits from the top of scales[j] / scales[4 + j]
+        const __m512i sc4 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(e, 8 * j), m4),
+                                            _mm512_and_si512(_mm512_srli_epi32(a, 8 * j + 2), m2));
+        const __m512i mn4 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(e, 8 * j + 4), m4),
+                                            _mm512_and_si512(_mm512_srli_epi32(b, 8 * j + 2), m2));
+        _mm512_store_ps(dwb + j * 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        _mm512_store_ps(mwb + j * 16, neg_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn))));
+        _mm512_store_ps(dwb + (j + 4) * 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc4)));
+        _mm512_store_ps(mwb + (j + 4) * 16, neg_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn4))));
+      }
+    }
+  }
 }
 
 template <DType WT>
@@ -174,15 +326,20 @@ PF_AVX512 void qgemm_t(const QJob& j) {
   c.nb = j.a.nb;
   c.K = j.a.K;
   c.bs = wblock_bytes(WT);
+  const int64_t tab = c.nb * 16 + 16;  // one [nb][16] table (+ padding)
   float* dwc = j.scratch;
-  float* mwc = j.scratch + c.nb * 16 + 16;
+  float* mwc = j.scratch + tab;
+  int32_t* slo = reinterpret_cast<int32_t*>(j.scratch + 2 * tab);
+  int32_t* shi = reinterpret_cast<int32_t*>(j.scratch + 3 * tab);
   c.dwc = dwc;
   c.mwc = mwc;
+  c.slo = slo;
+  c.shi = shi;
   c.pf = j.w + (j.n0 + 32) * j.w_stride;
   // Software prefetch only helps short rows (the hardware prefetchers follow long streams).
   c.pf_step = j.w_stride <= 2048 ? ((16 * j.w_stride + c.nb - 1) / c.nb + 63) & ~(int64_t)63 : 0;
   // Block scales of the 16 rows, [b][row] (one gather of the d (and m) fields per block); a
-  // single activation row reads them inside the kernel instead.
+  // single activation row reads them inside the kernel instead (32-block types).
   const int64_t span = (int64_t)(c.rows[15] - c.rows[0]);
   c.gather_ok = span <= INT32_MAX && span >= INT32_MIN;
   if (c.gather_ok) {
@@ -190,14 +347,17 @@ PF_AVX512 void qgemm_t(const QJob& j) {
     for (int r = 0; r < 16; ++r) off[r] = (int32_t)(c.rows[r] - c.rows[0]);
     c.offs = _mm512_load_si512(off);
   }
-  const bool single = j.m1 - j.m0 == 1 && c.gather_ok;
-  if (single) {
+  const bool single = !kIsK<WT> && j.m1 - j.m0 == 1 && c.gather_ok;
+  if constexpr (kIsK<WT>) {
+    if (c.gather_ok) fill_ktables_avx512<WT>(c, dwc, mwc, slo, shi);
+    else fill_ktables<WT>(c.rows, c.nb, dwc, mwc, slo, shi);
+  } else if (single) {
     // nothing to precompute
   } else if (c.gather_ok) {
     for (int64_t b = 0; b < c.nb; ++b) {
       const __m512i g = _mm512_i32gather_epi32(c.offs, c.rows[0] + b * c.bs, 1);
       _mm512_store_ps(dwc + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
-      if (WT == DType::Q4_1)
+      if (kHasMin<WT>)
         _mm512_store_ps(mwc + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
     }
   } else {
@@ -206,7 +366,7 @@ PF_AVX512 void qgemm_t(const QJob& j) {
         uint16_t v[2];
         std::memcpy(v, c.rows[r] + b * c.bs, 4);
         dwc[b * 16 + r] = fp16_to_fp32(v[0]);
-        if (WT == DType::Q4_1) mwc[b * 16 + r] = fp16_to_fp32(v[1]);
+        if (kHasMin<WT>) mwc[b * 16 + r] = fp16_to_fp32(v[1]);
       }
   }
   alignas(64) float out[16];
@@ -218,7 +378,7 @@ PF_AVX512 void qgemm_t(const QJob& j) {
     for (int jt = 0; jt < nv; jt += NW) {
       if (RM == 4) qtile<WT, 4>(c, j.a, m, jt, out);
       else if (RM == 2) qtile<WT, 2>(c, j.a, m, jt, out);
-      else if (single) qtile<WT, 1, true>(c, j.a, m, jt, out);
+      else if (single) qtile<WT, 1, !kIsK<WT>>(c, j.a, m, jt, out);
       else qtile<WT, 1>(c, j.a, m, jt, out);
       for (int i = 0; i < RM; ++i) {
         float* y = reinterpret_cast<float*>(j.y.row(m + i)) + j.n0 + jt;
@@ -332,7 +492,12 @@ void qgemm_avx512(const QJob& j) {
     case DType::Q4_0: qgemm_t<DType::Q4_0>(j); break;
     case DType::Q4_1: qgemm_t<DType::Q4_1>(j); break;
     case DType::Q8_0: qgemm_t<DType::Q8_0>(j); break;
-    default: break;
+    case DType::Q5_0: qgemm_t<DType::Q5_0>(j); break;
+    case DType::Q5_1: qgemm_t<DType::Q5_1>(j); break;
+    case DType::Q4_K: qgemm_t<DType::Q4_K>(j); break;
+    case DType::Q5_K: qgemm_t<DType::Q5_K>(j); break;
+    case DType::Q6_K: qgemm_t<DType::Q6_K>(j); break;
+    default: qgemm_scalar(j); break;
   }
 }
 
@@ -352,7 +517,7 @@ void fgemm_avx512(const FJob& j) {
 #include "cpu/quant/quant.h"
 namespace pyfast {
 namespace mm {
-void quant_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, float* f, int64_t nb) { quant_act_scalar(x, q, d, s, f, nb); }
+void quant_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb) { quant_act_scalar(x, q, d, s, f, h, nb); }
 void qgemm_avx512(const QJob& j) { qgemm_scalar(j); }
 void fgemm_avx512(const FJob& j) { fgemm_scalar(j); }
 }  // namespace mm

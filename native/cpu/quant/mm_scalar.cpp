@@ -25,15 +25,9 @@ inline float wconv(DType t, const uint8_t* row, int64_t k) {
   }
 }
 
-inline uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
 }  // namespace
 
-void quant_act_scalar(const float* x, int8_t* q, float* d, int32_t* s, float* f, int64_t nb) {
+void quant_act_scalar(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb) {
   for (int64_t b = 0; b < nb; ++b, x += QK, q += QK) {
     float amax = 0.0f;
     for (int j = 0; j < QK; ++j) {
@@ -42,37 +36,44 @@ void quant_act_scalar(const float* x, int8_t* q, float* d, int32_t* s, float* f,
     }
     const float db = amax / 127.0f;
     const float id = db != 0.0f ? 1.0f / db : 0.0f;
-    int32_t sum = 0;
+    int32_t sum = 0, half = 0;
     for (int j = 0; j < QK; ++j) {
       int32_t v = cvt_rne(x[j] * id);
       v = v < -127 ? -127 : v > 127 ? 127 : v;
       q[j] = (int8_t)v;
       sum += v;
+      if (j == QK / 2 - 1) half = sum;
     }
     d[b * 4] = db;
     s[b * 4] = sum;
     f[b * 4] = db * (float)sum;
+    h[b * 4] = half;
   }
 }
 
 void qgemm_scalar(const QJob& j) {
   const int64_t nb = j.a.nb;
-  const int bs = wblock_bytes(j.wt);
-  for (int64_t m = j.m0; m < j.m1; ++m) {
-    float* y = reinterpret_cast<float*>(j.y.row(m));
-    const int8_t* xq = j.a.q + m * j.a.K;
-    for (int64_t n = j.n0; n < j.n1; ++n) {
-      const uint8_t* w = j.w + n * j.w_stride;
+  const bool has_min = wtype_has_min(j.wt);
+  // One weight row decoded at a time (codes, scales, mins), then used for every activation row.
+  int32_t* codes = reinterpret_cast<int32_t*>(j.scratch);
+  float* dw = j.scratch + nb * QK;
+  float* mw = dw + nb;
+  for (int64_t n = j.n0; n < j.n1; ++n) {
+    const uint8_t* w = j.w + n * j.w_stride;
+    for (int64_t b = 0; b < nb; ++b) wblock_decode(j.wt, w, b, codes + b * QK, dw + b, mw + b);
+    for (int64_t m = j.m0; m < j.m1; ++m) {
+      const int8_t* xq = j.a.q + m * j.a.K;
       float acc = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* wb = w + b * bs;
+        const int32_t* c = codes + b * QK;
+        const int8_t* qx = xq + b * QK;
+        int32_t isum = 0;
+        for (int k = 0; k < QK; ++k) isum += c[k] * qx[k];
         const size_t mi = j.a.meta(m, b);
-        const int32_t isum = block_dot_ref(j.wt, wb, xq + b * QK);
-        const float s = j.a.d[mi] * fp16_to_fp32(ld16(wb));
-        acc = std::fma(s, (float)isum, acc);
-        if (j.wt == DType::Q4_1) acc = std::fma(fp16_to_fp32(ld16(wb + 2)), j.a.f[mi], acc);
+        acc = std::fma(j.a.d[mi] * dw[b], (float)isum, acc);
+        if (has_min) acc = std::fma(mw[b], j.a.f[mi], acc);
       }
-      y[n] = acc;
+      reinterpret_cast<float*>(j.y.row(m))[n] = acc;
     }
   }
 }

@@ -9,30 +9,79 @@
 
 namespace pyfast {
 
-constexpr int QK = 32;  // elements per block for Q4_0, Q4_1, Q8_0, Q8_1
+constexpr int QK = 32;     // elements per block for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1
+constexpr int QK_K = 256;  // elements per super-block for the K-quants
 
 #pragma pack(push, 1)
 struct block_q4_0 { uint16_t d; uint8_t qs[QK / 2]; };           // x = d * (q - 8); low nibbles = elems 0..15
 struct block_q4_1 { uint16_t d, m; uint8_t qs[QK / 2]; };        // x = d * q + m
+// 5-bit: q = nibble | (bit << 4); nibbles as Q4_0 (low = elems 0..15), bit j of qh (little-endian
+// u32) = bit 4 of element j.
+struct block_q5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[QK / 2]; };     // x = d * (q - 16)
+struct block_q5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[QK / 2]; };  // x = d * q + m
 struct block_q8_0 { uint16_t d; int8_t qs[QK]; };                // x = d * q
 struct block_q8_1 { uint16_t d, s; int8_t qs[QK]; };             // x = d * q; s = d * sum(q)
+// K-quants: 256 elements in sub-blocks (8 x 32 for Q4_K / Q5_K, 16 x 16 for Q6_K).
+//  Q4_K / Q5_K: sub-block j has 6-bit scale sc_j and min m_j packed in `scales` (j < 4: low 6 bits
+//  of scales[j] / scales[j + 4]; j >= 4: low / high nibble of scales[j + 4] plus the top 2 bits of
+//  scales[j - 4] / scales[j]); x = d * sc_j * q - dmin * m_j. qs[32 p + l] holds element l of
+//  sub-blocks 2p (low nibble) and 2p + 1 (high nibble); Q5_K's bit 4 of element l of sub-block j
+//  is bit j of qh[l].
+//  Q6_K: element e = 128 h + 64 s + l (l < 64) has low 4 bits in ql[64 h + l] >> 4 s; element
+//  e = 128 h + 32 t + l (l < 32) has high 2 bits in qh[32 h + l] >> 2 t; x = d * scales[e / 16] * (q - 32).
+struct block_q4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
+struct block_q5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; };
+struct block_q6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
 #pragma pack(pop)
 static_assert(sizeof(block_q4_0) == 18, "q4_0 layout");
 static_assert(sizeof(block_q4_1) == 20, "q4_1 layout");
+static_assert(sizeof(block_q5_0) == 22, "q5_0 layout");
+static_assert(sizeof(block_q5_1) == 24, "q5_1 layout");
 static_assert(sizeof(block_q8_0) == 34, "q8_0 layout");
 static_assert(sizeof(block_q8_1) == 36, "q8_1 layout");
+static_assert(sizeof(block_q4_K) == 144, "q4_K layout");
+static_assert(sizeof(block_q5_K) == 176, "q5_K layout");
+static_assert(sizeof(block_q6_K) == 210, "q6_K layout");
 
-// Reference dequantize / quantize of one contiguous row of n elements (n % 32 == 0 for the
-// block types). Handles F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q8_1. The quantizers round exactly
-// like ggml's reference (gguf.quants): Q8_0/Q8_1 roundf (half away from zero), Q4_0/Q4_1
-// truncation of x*id + 8.5 / (x-min)*id + 0.5; scales are stored as fp16 (nearest even).
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed scale bytes.
+inline void kscale_get(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Reference dequantize / quantize of one contiguous row of n elements (n a multiple of the block
+// size for the block types). Handles F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q4_K, Q5_K,
+// Q6_K; dequantization is bit-identical to gguf.quants. The 32-block quantizers round exactly like
+// ggml's reference (gguf.quants): Q8_0/Q8_1 roundf (half away from zero), Q4_0/Q5_0 truncation of
+// x*id + 8.5 / 16.5, Q4_1/Q5_1 truncation of (x-min)*id + 0.5; scales are stored as fp16 (nearest
+// even). The K-quant quantizers search each sub-block's scale (and min) for the least squared
+// error and then refit the super-block scales (quant_k.cpp); they are deterministic.
 void dequantize_row(DType t, const void* src, float* dst, int64_t n);
 void quantize_row_ref(DType t, const float* src, void* dst, int64_t n);
 // Whether the row codec above handles t.
 bool quant_supported(DType t);
 
+// K-quant codecs (quant_k.cpp); n is a multiple of 256.
+void dequantize_row_k(DType t, const void* src, float* dst, int64_t n);
+void quantize_row_k(DType t, const float* src, void* dst, int64_t n);
+// The quantizer for whole tensors (pyfast quantize): like quantize_row_ref, except that Q4_0,
+// Q4_1, Q5_0 and Q5_1 search each block's scale (and min) for the least squared error instead of
+// deriving it from the block's extremes (lower round-trip error; not bit-identical to gguf's
+// reference). Deterministic.
+void quantize_row_fit(DType t, const float* src, void* dst, int64_t n);
+
+// Quantize a [nrows, ncols] f32 matrix to t with quantize_row_fit on n_threads threads (rows split
+// between them; the result does not depend on n_threads). dst holds nrows * dtype_row_size(t, ncols)
+// bytes.
+void quantize_rows(DType t, const float* src, void* dst, int64_t nrows, int64_t ncols, int n_threads);
+
 // Scratch bytes (p.wdata) cpu_matmul needs for nth threads: the activations quantized once per
-// op (for Q4_0 / Q4_1 / Q8_0 weights) plus a small per-thread area; 0 for F32/F16/BF16 weights.
+// op (for quantized weights) plus a small per-thread area; 0 for F32/F16/BF16 weights.
 size_t cpu_matmul_work_size(const Node& dst, const Node* const* src, int nth);
 // Weight dtypes cpu_matmul accepts (x must be F32).
 bool matmul_weight_supported(DType t);
@@ -44,14 +93,26 @@ bool matmul_weight_supported(DType t);
 // point operations depend only on x row m, w row n and the ISA -- never on M, the tile it was
 // computed in, or the thread. The per-pair arithmetic is fixed:
 //
-//  Quantized weights (Q4_0, Q4_1, Q8_0). x rows are quantized per 32-block to int8 with a float
-//  scale dx = amax/127, q = clamp(rne(x * (1/dx)), -127, 127), sx = sum(q), fx = dx * (float)sx.
-//  Then, over blocks b in order, with isum_b the exact integer dot of the block
-//  (sum q_w * q_x, with q_w - 8 for Q4_0) and dw, mw the fp16 block scale/min:
+//  Quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). x rows are quantized per
+//  32-block to int8 with a float scale dx = amax/127, q = clamp(rne(x * (1/dx)), -127, 127),
+//  sx = sum(q), hx = sum of the first 16 q, fx = dx * (float)sx. Every weight row is read as
+//  32-blocks too (a K-quant super-block is 8 of them); block b of a weight row gives exact
+//  integer codes c_b[32], a float scale dw_b and, for the types with a min, a float mw_b:
+//      Q4_0  c = q - 8           dw = d                        Q4_1  c = q   dw = d   mw = m
+//      Q5_0  c = q - 16          dw = d                        Q5_1  c = q   dw = d   mw = m
+//      Q8_0  c = q               dw = d
+//      Q4_K, Q5_K (sub-block j = b % 8 of super-block b / 8):  c = q   dw = d * sc_j
+//                                                              mw = -(dmin * m_j)
+//      Q6_K (32-block j = b % 8 covers 16-sub-blocks 2j, 2j+1): c = scales[2j or 2j+1] * (q - 32)
+//                                                              dw = d
+//  (d, m, dmin are the fp16 fields widened to f32; d * sc_j and dmin * m_j are exact in f32.)
+//  Then, over blocks b in order, with isum_b = sum_k c_b[k] * q[k] (exact in int32; for Q6_K
+//  |isum| < 2^24 so (float)isum_b is exact too):
 //      acc = fma(dx_b * dw_b, (float)isum_b, acc)         (acc starts at +0)
-//      acc = fma(mw_b, fx_b, acc)                          (Q4_1 only)
+//      acc = fma(mw_b, fx_b, acc)                          (types with a min only)
 //  This is the same in every ISA (scalar uses std::fma), so quantized results are bit-identical
-//  across scalar / avx2 / avx512 too.
+//  across scalar / avx2 / avx512 too. (SIMD kernels form isum from unsigned weight codes and
+//  subtract the offset times sx / hx; integer sums are exact, so this changes nothing.)
 //
 //  F32 / F16 / BF16 weights (weights widened exactly to f32; any K). Per pair, an L-lane f32
 //  accumulator takes element k in lane k % L: acc[l] = fma(x[k], w[k], acc[l]) in k order, the
@@ -101,21 +162,23 @@ struct RowView {
 };
 
 // Activations quantized once per op (shared scratch). Row r: int8 values at q + r*K. Per-block
-// data in groups of 4 rows: element (r, b) at meta(r, b) of d (scale), s (sum of q), f (d*s).
+// data in groups of 4 rows: element (r, b) at meta(r, b) of d (scale), s (sum of q), f (d*s) and
+// h (sum of the block's first 16 q).
 struct ActQ {
   const int8_t* q = nullptr;
   const float* d = nullptr;
   const int32_t* s = nullptr;
   const float* f = nullptr;
+  const int32_t* h = nullptr;
   int64_t K = 0, nb = 0;
   size_t meta(int64_t r, int64_t b) const { return (size_t)((((r >> 2) * nb + b) << 2) + (r & 3)); }
 };
 
-// Quantize one row of nb blocks; d, s, f point at the row's block-0 slot (stride 4 between blocks).
-// All versions give bit-identical results.
-void quant_act_scalar(const float* x, int8_t* q, float* d, int32_t* s, float* f, int64_t nb);
-void quant_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, float* f, int64_t nb);
-void quant_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, float* f, int64_t nb);
+// Quantize one row of nb blocks; d, s, f, h point at the row's block-0 slot (stride 4 between
+// blocks). All versions give bit-identical results.
+void quant_act_scalar(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb);
+void quant_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb);
+void quant_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb);
 
 // One work item with a quantized weight: y[m, n] for m in [m0, m1), n in [n0, n1), n1-n0 <= 16.
 struct QJob {
@@ -128,7 +191,8 @@ struct QJob {
   RowView y;                   // f32 output rows
   float* scratch = nullptr;    // per-thread, qjob_scratch_floats(nb) floats, 64-byte aligned
 };
-inline size_t qjob_scratch_floats(int64_t nb) { return (size_t)(nb + 2) * 32; }
+// Room for four [nb][16] tables (+16 padding each): weight scales, mins / sub-scales.
+inline size_t qjob_scratch_floats(int64_t nb) { return (size_t)(nb + 1) * 64; }
 void qgemm_scalar(const QJob& j);
 void qgemm_avx2(const QJob& j);
 // The avx2 path uses AVX-VNNI (vpdpbusd on ymm) when the CPU has it; tests switch it off to cover
@@ -152,11 +216,25 @@ void fgemm_scalar(const FJob& j);
 void fgemm_avx2(const FJob& j);
 void fgemm_avx512(const FJob& j);
 
-// Integer dot of one 32-element weight block with 32 int8 activations (exact; q_w - 8 for Q4_0).
-int32_t block_dot_ref(DType wt, const uint8_t* wblock, const int8_t* q);
-// Byte layout of a weight block: size, offset of the quant bytes.
+// Block b of a weight row, as quant.h's arithmetic reads it: the exact integer codes c[32], the
+// scale dw and (types with a min) mw. Reference (scalar) decoding.
+void wblock_decode(DType wt, const uint8_t* row, int64_t b, int32_t* c, float* dw, float* mw);
+// Whether the weight type adds the mw * fx term.
+inline bool wtype_has_min(DType t) {
+  return t == DType::Q4_1 || t == DType::Q5_1 || t == DType::Q4_K || t == DType::Q5_K;
+}
+// isum_b of quant.h for weight row `row`, block b, activation codes q (exact).
+int32_t block_dot_ref(DType wt, const uint8_t* row, int64_t b, const int8_t* q);
+// Bytes of one 32-block for the 32-block types (0 for the K-quants).
 inline int wblock_bytes(DType t) {
-  return t == DType::Q4_0 ? 18 : t == DType::Q4_1 ? 20 : t == DType::Q8_0 ? 34 : 0;
+  switch (t) {
+    case DType::Q4_0: return 18;
+    case DType::Q4_1: return 20;
+    case DType::Q5_0: return 22;
+    case DType::Q5_1: return 24;
+    case DType::Q8_0: return 34;
+    default: return 0;
+  }
 }
 
 }  // namespace mm

@@ -1,0 +1,565 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an :class:`~pyfast.server.engine.Engine`.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming for both),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``,
+``POST /detokenize``. Every error is an OpenAI-style body
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
+
+Request bodies are parsed by pydantic straight from the raw bytes (``model_validate_json``), so
+malformed JSON, invalid UTF-8 and wrong types all become 400s naming the field at fault.
+Template rendering and tokenization run in worker threads; generation runs in the engine's
+scheduler thread; the event loop only moves bytes.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pyfast import __version__
+from pyfast.sampling import SamplingParams
+from pyfast.server.engine import Engine, EngineStopped, Event, GenParams, Job, JobStats, QueueFull
+from pyfast.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest)
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
+                     "/v1/models", "/models", "/health", "/v1/health", "/metrics", "/tokenize",
+                     "/detokenize"})
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class _Guard:
+    """ASGI middleware: API keys and per-route request counts (pure ASGI, so streaming
+    responses and disconnects pass through untouched)."""
+
+    def __init__(self, app, engine: Engine, api_keys: list[str]):
+        self.app = app
+        self.engine = engine
+        self.keys = [k.encode() for k in api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+        status = {"code": 500}
+
+        async def send_wrapped(msg):
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+            await send(msg)
+
+        try:
+            if self.keys and path not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
+                err = self._check_key(scope)
+                if err is not None:
+                    await _error_response(err)(scope, receive, send_wrapped)
+                    return
+            await self.app(scope, receive, send_wrapped)
+        finally:
+            self.engine.metrics.http_requests.inc(route=route, status=str(status["code"]))
+
+    def _check_key(self, scope) -> APIError | None:
+        got = None
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                parts = v.split(None, 1)
+                if len(parts) == 2 and parts[0].lower() == b"bearer":
+                    got = parts[1].strip()
+            elif k == b"x-api-key" and got is None:
+                got = v.strip()
+        if got is None:
+            return APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                            "authentication_error", code="missing_api_key")
+        ok = False
+        for k in self.keys:  # compare against every key in constant time
+            ok |= hmac.compare_digest(got, k)
+        if not ok:
+            return APIError(401, "invalid API key", "authentication_error", code="invalid_api_key")
+        return None
+
+
+def create_app(engine: Engine, api_keys: list[str] | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine``; the engine's scheduler runs while the app
+    does (started and stopped by the app's lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await run_in_threadpool(engine.stop)
+
+    app = FastAPI(title="pyfast", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(e.status_code, str(e.detail), type_))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+
+    api = _API(engine)
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/v1/health", api.health, methods=["GET"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/models", api.models, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/completions", api.completions, methods=["POST"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_middleware(_Guard, engine=engine, api_keys=list(api_keys or []))
+    return app
+
+
+async def _parse(request: Request, schema: type[BaseModel]) -> Any:
+    n = request.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body too large (limit {MAX_BODY_BYTES} bytes)")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body too large (limit {MAX_BODY_BYTES} bytes)")
+    if not body.strip():
+        raise APIError(400, "empty request body: expected a JSON object")
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as e:
+        raise APIError(400, *_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> tuple[str, str, str | None]:
+    """(message, type, param) for the first error of a pydantic validation."""
+    errs = e.errors(include_url=False)
+    if not errs:
+        return "invalid request", "invalid_request_error", None
+    err = errs[0]
+    if err["type"] == "json_invalid":
+        return f"malformed JSON body: {err['msg']}", "invalid_request_error", None
+    # Union branches add their type ("str", "list[int]", "ContentPart") to the location; keep
+    # only the user's field path.
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and _is_type_tag(p))]
+    param = ".".join(loc) or None
+    msg = err["msg"]
+    if param:
+        msg = f"{param}: {msg}"
+    return msg, "invalid_request_error", param
+
+
+def _is_type_tag(p: str) -> bool:
+    return "[" in p or p[:1].isupper() or p in ("str", "int", "float", "bool", "none", "dict", "list")
+
+
+class _API:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    # --- info ------------------------------------------------------------------------------
+    async def health(self) -> Response:
+        e = self.engine
+        return JSONResponse({"status": "ok" if e.alive else "error", "slots_idle": e.cfg.n_parallel - e.n_busy,
+                             "slots_processing": e.n_busy, "queue_depth": e.n_waiting},
+                            status_code=200 if e.alive else 503)
+
+    async def models(self) -> Response:
+        e = self.engine
+        return JSONResponse({"object": "list", "data": [{
+            "id": e.model_id, "object": "model", "created": e.created, "owned_by": "pyfast",
+            "meta": {"file": os.path.basename(e.model_path), "n_vocab": e.n_vocab, "n_ctx_slot": e.n_ctx_slot,
+                     "n_parallel": e.cfg.n_parallel, "speculative": e.spec_enabled}}]})
+
+    async def metrics(self) -> Response:
+        e = self.engine
+        e.metrics.queue_depth.set(e.n_waiting)
+        e.metrics.slots_busy.set(e.n_busy)
+        return PlainTextResponse(e.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def tokenize(self, request: Request) -> Response:
+        req: TokenizeRequest = await _parse(request, TokenizeRequest)
+        tok = self.engine.tokenizer
+        try:
+            ids = await run_in_threadpool(tok.encode, req.content, req.add_special, req.parse_special)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"content: {e}", param="content") from None
+        if req.with_pieces:
+            return JSONResponse({"tokens": [{"id": i, "piece": _piece(tok, i)} for i in ids]})
+        return JSONResponse({"tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        req: DetokenizeRequest = await _parse(request, DetokenizeRequest)
+        self._check_ids(req.tokens, "tokens")
+        return JSONResponse({"content": self.engine.tokenizer.decode(req.tokens)})
+
+    # --- generation ------------------------------------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        if name is None:
+            return
+        e = self.engine
+        accepted = {e.model_id, e.model_path, os.path.basename(e.model_path)}
+        if name not in accepted:
+            raise APIError(404, f"the model {name!r} does not exist (this server serves {e.model_id!r})",
+                           "invalid_request_error", param="model", code="model_not_found")
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        n = self.engine.n_vocab
+        for t in ids:
+            if not 0 <= t < n:
+                raise APIError(400, f"{param}: token id {t} is outside the vocabulary [0, {n})", param=param)
+
+    async def chat(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        self._check_model(req.model)
+        e = self.engine
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+        if e.chat_template is None:
+            raise APIError(500, f"the model's chat template cannot be used: {e.template_error}", "server_error")
+        messages = []
+        for i, m in enumerate(req.messages):
+            d = {"role": m.role, "content": _content_text(m.content, i)}
+            for k in ("name", "tool_calls", "tool_call_id"):
+                v = getattr(m, k)
+                if v is not None:
+                    d[k] = v
+            messages.append(d)
+        kwargs = dict(req.chat_template_kwargs or {})
+        for k in ("messages", "tools", "add_generation_prompt"):
+            kwargs.pop(k, None)
+
+        def render() -> list[int]:
+            text = e.chat_template.render(messages, add_generation_prompt=True, tools=req.tools, **kwargs)
+            return e.tokenizer.encode(text)
+
+        try:
+            prompt = await run_in_threadpool(render)
+        except (ValueError, TypeError) as err:
+            raise APIError(400, str(err), param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        return await self._generate(request, req, [prompt], max_tokens, k, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = await _parse(request, CompletionRequest)
+        self._check_model(req.model)
+        e = self.engine
+        if req.suffix:
+            raise APIError(400, "suffix: not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of: only best_of == n is supported", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+        p = req.prompt
+        try:
+            if isinstance(p, str):
+                prompts = [await run_in_threadpool(e.tokenizer.encode, p)]
+            elif all(isinstance(x, str) for x in p):
+                prompts = [await run_in_threadpool(e.tokenizer.encode, x) for x in p]
+            elif all(isinstance(x, int) for x in p):
+                prompts = [list(p)]
+            else:
+                prompts = [list(x) for x in p]
+        except (ValueError, TypeError) as err:
+            raise APIError(400, f"prompt: {err}", param="prompt") from None
+        for x in prompts:
+            self._check_ids(x, "prompt")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        return await self._generate(request, req, prompts, max_tokens, req.logprobs, chat=False)
+
+    async def _generate(self, request: Request, req, prompts: list[list[int]], max_tokens: int | None,
+                        logprobs: int | None, chat: bool) -> Response:
+        e = self.engine
+        n_slot = e.n_ctx_slot
+        if max_tokens is not None and max_tokens > n_slot:
+            raise APIError(400, f"max_tokens is too large: {max_tokens}; a slot holds at most {n_slot} "
+                                "tokens (prompt and completion)", param="max_tokens")
+        for p in prompts:
+            if not p:
+                raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
+            if len(p) >= n_slot:
+                raise APIError(400, f"the prompt has {len(p)} tokens; this server's context holds {n_slot} "
+                                    "per request (prompt and completion)",
+                               param="messages" if chat else "prompt", code="context_length_exceeded")
+        base = {k: getattr(req, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                              "repeat_last_n", "frequency_penalty", "presence_penalty")
+                if getattr(req, k) is not None}
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop = [s for s in stop if s]
+        queue: asyncio.Queue = asyncio.Queue()
+        jobs = []
+        for pi, p in enumerate(prompts):
+            for j in range(req.n):
+                seed = None if req.seed is None else (req.seed + j) % (2**63)
+                sp = SamplingParams(**base, seed=seed)
+                try:
+                    sp.validate()
+                except ValueError as err:
+                    raise APIError(400, str(err)) from None
+                gp = GenParams(max_tokens=max_tokens, sampling=sp, stop=stop, ignore_eos=req.ignore_eos,
+                               logprobs=logprobs)
+                jobs.append(Job(p, gp, queue, index=pi * req.n + j))
+        try:
+            e.submit(jobs)
+        except QueueFull as err:
+            raise APIError(503, str(err), "server_error", code="queue_full") from None
+        except EngineStopped as err:
+            raise APIError(503, str(err), "server_error", code="unavailable") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        fmt = _Formatter(e, rid, chat, logprobs is not None, len(prompts), req)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_sse(fmt, jobs, queue, include_usage, e),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _collect(request, fmt, jobs, queue, e)
+
+
+def _content_text(content, i: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                           param=f"messages.{i}.content")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _piece(tok, i: int) -> str:
+    return tok.token_piece(i).decode("utf-8", errors="replace")
+
+
+class _Formatter:
+    """Builds OpenAI response objects from engine events."""
+
+    def __init__(self, engine: Engine, rid: str, chat: bool, logprobs: bool, n_prompts: int, req):
+        self.engine = engine
+        self.id = rid
+        self.chat = chat
+        self.logprobs = logprobs
+        self.created = int(time.time())
+        self.model = engine.model_id
+        self.n_prompts = n_prompts
+        self.offsets: dict[int, int] = {}  # completions text_offset per choice
+        self.echo = (not chat) and bool(getattr(req, "echo", False))
+
+    def _tok(self, t: int) -> tuple[str, list[int]]:
+        b = self.engine.tokenizer.token_piece(t)
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def logprobs_obj(self, index: int, lps) -> dict | None:
+        if not self.logprobs:
+            return None
+        lps = lps or []
+        if self.chat:
+            content = []
+            for lp in lps:
+                s, b = self._tok(lp.token)
+                content.append({"token": s, "logprob": lp.logprob, "bytes": b,
+                                "top_logprobs": [dict(zip(("token", "bytes"), self._tok(t)), logprob=v)
+                                                 for t, v in lp.top]})
+            return {"content": content, "refusal": None}
+        tokens, tlp, top, offs = [], [], [], []
+        off = self.offsets.get(index, 0)
+        for lp in lps:
+            s, _ = self._tok(lp.token)
+            tokens.append(s)
+            tlp.append(lp.logprob)
+            d: dict[str, float] = {}
+            for t, v in lp.top:
+                d.setdefault(self._tok(t)[0], v)
+            top.append(d)
+            offs.append(off)
+            off += len(s)
+        self.offsets[index] = off
+        return {"tokens": tokens, "token_logprobs": tlp, "top_logprobs": top, "text_offset": offs}
+
+    def chunk(self, index: int, text: str | None, lps, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs_obj(index, lps),
+                      "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": self.logprobs_obj(index, lps),
+                      "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": f"pyfast-{__version__}", "choices": [choice]}
+
+    def usage(self, jobs: list[Job]) -> dict:
+        seen = set()
+        n_prompt = 0
+        for j in jobs:  # a prompt counts once however many choices it has
+            key = j.index // max(1, len(jobs) // self.n_prompts)
+            if key not in seen:
+                seen.add(key)
+                n_prompt += j.stats.n_prompt
+        n_gen = sum(j.stats.n_gen for j in jobs)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+                "prompt_tokens_details": {"cached_tokens": sum(j.stats.n_cached for j in jobs)}}
+
+    @staticmethod
+    def timings(stats: list[JobStats]) -> dict:
+        if not stats:
+            return {}
+        p_n = sum(s.n_processed for s in stats)
+        p_ms = max((s.t_prompt_done - s.t_start) * 1e3 for s in stats)
+        g_n = sum(s.n_gen for s in stats)
+        g_ms = max((s.t_end - s.t_prompt_done) * 1e3 for s in stats)
+        drafted = sum(s.n_drafted for s in stats)
+        accepted = sum(s.n_accepted for s in stats)
+        return {
+            "prompt_n": p_n, "prompt_cached": sum(s.n_cached for s in stats), "prompt_ms": p_ms,
+            "prompt_per_second": p_n / p_ms * 1e3 if p_ms > 0 else 0.0,
+            "predicted_n": g_n, "predicted_ms": g_ms,
+            "predicted_per_second": g_n / g_ms * 1e3 if g_ms > 0 else 0.0,
+            "queue_ms": max((s.t_start - s.t_arrival) * 1e3 for s in stats),
+            "ttft_ms": max((s.t_prompt_done - s.t_arrival) * 1e3 for s in stats),
+            "draft_n": drafted, "draft_n_accepted": accepted,
+            "draft_acceptance": accepted / drafted if drafted else None,
+        }
+
+
+def _sse_line(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(fmt: _Formatter, jobs: list[Job], queue: asyncio.Queue, include_usage: bool,
+               engine: Engine) -> AsyncIterator[bytes]:
+    try:
+        if fmt.chat:
+            for j in jobs:
+                yield _sse_line(fmt.chunk(j.index, "", None, None, role=True))
+        elif fmt.echo:
+            for j in jobs:
+                yield _sse_line(fmt.chunk(j.index, engine.tokenizer.decode(j.prompt), None, None))
+        pending = len(jobs)
+        while pending:
+            ev: Event = await queue.get()
+            i = ev.job.index
+            if ev.kind == "delta":
+                yield _sse_line(fmt.chunk(i, ev.text, ev.logprobs, None))
+            elif ev.kind == "done":
+                pending -= 1
+                if ev.text or ev.logprobs:
+                    yield _sse_line(fmt.chunk(i, ev.text, ev.logprobs, None))
+                last = fmt.chunk(i, None if fmt.chat else "", None, ev.finish_reason)
+                last["timings"] = fmt.timings([ev.stats])
+                yield _sse_line(last)
+            else:
+                yield _sse_line(APIError(ev.status, ev.message, "server_error").body())
+                pending = 0
+                for j in jobs:
+                    engine.cancel(j)
+                yield b"data: [DONE]\n\n"
+                return
+        if include_usage:
+            yield _sse_line({"id": fmt.id, "object": "chat.completion.chunk" if fmt.chat else "text_completion",
+                             "created": fmt.created, "model": fmt.model, "choices": [],
+                             "usage": fmt.usage(jobs), "timings": fmt.timings([j.stats for j in jobs])})
+        yield b"data: [DONE]\n\n"
+    finally:
+        for j in jobs:  # the client went away (or we are done): free the slots now
+            engine.cancel(j)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _collect(request: Request, fmt: _Formatter, jobs: list[Job], queue: asyncio.Queue,
+                   engine: Engine) -> Response:
+    texts = {j.index: [] for j in jobs}
+    lps: dict[int, list] = {j.index: [] for j in jobs}
+    finish: dict[int, str] = {}
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        pending = len(jobs)
+        while pending:
+            if queue.empty():
+                get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:  # the client is gone
+                    get.cancel()
+                    return Response(status_code=499)
+                ev: Event = get.result()
+            else:
+                ev = queue.get_nowait()
+            i = ev.job.index
+            if ev.kind == "error":
+                raise APIError(ev.status, ev.message, "server_error")
+            texts[i].append(ev.text)
+            if ev.logprobs:
+                lps[i].extend(ev.logprobs)
+            if ev.kind == "done":
+                finish[i] = ev.finish_reason
+                pending -= 1
+    finally:
+        watcher.cancel()
+        for j in jobs:
+            engine.cancel(j)
+    choices = []
+    for j in sorted(jobs, key=lambda j: j.index):
+        i = j.index
+        text = "".join(texts[i])
+        lp = fmt.logprobs_obj(i, lps[i])
+        if fmt.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "logprobs": lp, "finish_reason": finish[i]})
+        else:
+            if fmt.echo:
+                text = engine.tokenizer.decode(j.prompt) + text
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish[i]})
+    return JSONResponse({
+        "id": fmt.id, "object": "chat.completion" if fmt.chat else "text_completion",
+        "created": fmt.created, "model": fmt.model, "system_fingerprint": f"pyfast-{__version__}",
+        "choices": choices, "usage": fmt.usage(jobs), "timings": fmt.timings([j.stats for j in jobs])})

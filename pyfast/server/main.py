@@ -1,0 +1,80 @@
+"""``pyfast serve``: command-line flags (llama-server's names) and the uvicorn runner.
+
+Importing this module is cheap (no FastAPI / model loading) so the CLI can build its parser.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF path, registry name or hf://owner/repo/file.gguf (default: smollm2)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("-np", "--parallel", type=int, default=4, help="slots decoded together (default 4)")
+    p.add_argument("-c", "--ctx-size", type=int, default=8192,
+                   help="KV cache size in tokens, shared by the slots (each gets ctx-size / parallel)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-b", "--batch-size", type=int, default=512,
+                   help="most prompt tokens decoded in one scheduler step (all slots together)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests allowed to wait for a slot; more get 503 (default 256)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="require this key (Authorization: Bearer KEY); may be repeated")
+    p.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    p.add_argument("-a", "--alias", default=None, help="model id reported by /v1/models")
+    p.add_argument("--spec-type", default="none",
+                   help="speculative proposers, comma-separated in the order asked (e.g. ngram-simple); "
+                        "default none")
+    p.add_argument("-md", "--model-draft", default=None, help="draft model GGUF (adds the draft-model proposer)")
+    p.add_argument("--draft-max", type=int, default=None, help="most draft tokens verified per step")
+    p.add_argument("--draft-min", type=int, default=None, help="drop drafts shorter than this")
+    p.add_argument("--draft-p-min", type=float, default=0.0,
+                   help="model drafters stop when their top-1 probability is below this")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def read_api_keys(keys: list[str], path: str | None) -> list[str]:
+    out = [k.strip() for k in keys if k and k.strip()]
+    if path:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    out.append(line)
+        if not out:
+            raise ValueError(f"--api-key-file {path!r} holds no key")
+    return out
+
+
+def serve_from_args(a: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from pyfast.server.app import create_app
+        from pyfast.server.engine import Engine, EngineConfig
+        from pyfast.server.spec import SpecConfig
+    except ImportError as e:
+        print(f"error: the server needs its extra dependencies ({e.name} is missing): "
+              "pip install 'pyfast[server]'", file=sys.stderr)
+        return 1
+    if not 0 < a.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {a.port}")
+    keys = read_api_keys(a.api_key, a.api_key_file)
+    logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(levelname)s: %(message)s")
+    cfg = EngineConfig(model=a.model, n_parallel=a.parallel, n_ctx=a.ctx_size, n_threads=a.threads,
+                       n_batch=a.batch_size, max_queue=a.max_queue, alias=a.alias,
+                       spec=SpecConfig(spec_type=a.spec_type, n_max=a.draft_max, n_min=a.draft_min,
+                                       p_min=a.draft_p_min, draft_model=a.model_draft))
+    engine = Engine(cfg)
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        logging.warning("serving on %s without an API key: anyone who can reach it can use it", a.host)
+    logging.info("model %s: %d slots x %d tokens, listening on http://%s:%d", engine.model_id,
+                 cfg.n_parallel, engine.n_ctx_slot, a.host, a.port)
+    app = create_app(engine, api_keys=keys)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.log_level == "debug",
+                timeout_graceful_shutdown=5)
+    return 0

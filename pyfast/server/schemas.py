@@ -1,0 +1,97 @@
+"""OpenAI request schemas (pydantic, strict: a string is not a number, a float is not an int).
+
+Unknown fields are accepted and ignored, as clients send fields a server may not implement.
+Extensions beyond the OpenAI API follow llama-server's names (``top_k``, ``min_p``,
+``repeat_penalty``, ``ignore_eos``).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16          # choices per request
+MAX_STOP = 16       # stop strings per request
+MAX_TOP_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    role: Annotated[str, Field(min_length=1, max_length=64)]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None
+    tool_call_id: Optional[str] = None
+
+
+Stop = Union[str, Annotated[list[str], Field(max_length=MAX_STOP)], None]
+
+
+class _Sampling(_Strict):
+    model: Optional[str] = None
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = None
+    top_k: Optional[Annotated[int, Field(ge=0)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = None
+    repeat_penalty: Optional[Annotated[float, Field(gt=0.0)]] = None
+    repeat_last_n: Optional[Annotated[int, Field(ge=-1)]] = None
+    seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
+    stop: Stop = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    user: Optional[str] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[int, Field(ge=0)]] = None
+    logprobs: bool = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    response_format: Optional[dict] = None
+    tools: Optional[list[dict]] = None
+    chat_template_kwargs: Optional[dict] = None
+
+
+Prompt = Union[
+    str,
+    Annotated[list[str], Field(min_length=1)],
+    Annotated[list[int], Field(min_length=1)],
+    Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)],
+]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[Annotated[int, Field(ge=1)]] = None
+
+
+class TokenizeRequest(_Strict):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
+

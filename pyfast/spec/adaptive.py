@@ -1,0 +1,149 @@
+"""Adaptive draft length: pick the draft length that maximizes expected tokens per second.
+
+Two measurements drive it:
+
+- the cost ``c(T)`` of one target decode of T rows with logits on every row, measured once per
+  decoder (a short calibration on a scratch sequence, about 40 decodes);
+- the acceptance per position: ``a_i`` = probability that draft position i is accepted given that
+  every earlier position was, a running average per sequence and proposer, started from the
+  proposer's cumulative counts.
+
+A draft of length N then yields ``E(N) = 1 + sum_{j<=N} prod_{i<=j} a_i`` tokens for ``c(B+N)``
+seconds (B rows from the batch's other sequences). The controller picks the N that maximizes
+tokens per second, N = 0 (no draft) included. A proposer held at N = 0 has its estimates drift
+slowly back towards a neutral prior so that it is probed again now and then: text can turn
+copy-heavy halfway through a reply.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+SCRATCH_SEQ = 2**30  # a sequence id no caller uses: calibration decodes go there
+
+
+class CostModel:
+    """Seconds per target decode of T rows (T = 1 .. t_max), with every row's logits returned.
+
+    Measured once (``calibrate``): each size a few times, round-robin so that a burst of load
+    on a shared machine hits all sizes alike, keeping the fastest run of each. The curve is
+    made non-decreasing and kept within [c(1), T * c(1)].
+    """
+
+    SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+    def __init__(self, ctx, t_max: int):
+        self.ctx = ctx
+        self.t_max = max(2, int(t_max))
+        self.cost: np.ndarray | None = None  # [t_max + 1]; cost[0] unused
+
+    def calibrate(self, reps: int = 3) -> np.ndarray:
+        """Time decodes of a few sizes on a scratch sequence; interpolate the rest."""
+        ctx = self.ctx
+        free = ctx.n_ctx - ctx.kv.n_used
+        t_hi = max(1, min(self.t_max, free))
+        sizes = sorted({s for s in self.SIZES if s <= t_hi} | {t_hi})
+        toks = np.random.default_rng(0).integers(0, ctx.model.n_vocab, size=t_hi)
+        best = {T: float("inf") for T in sizes}
+        for r in range(reps + 1):  # round 0 builds the plans
+            for T in sizes:
+                t0 = time.perf_counter()
+                ctx.decode(toks[:T], positions=np.arange(T), seq_ids=SCRATCH_SEQ, logits="all")
+                dt = time.perf_counter() - t0
+                ctx.truncate(SCRATCH_SEQ, 0)
+                if r:
+                    best[T] = min(best[T], dt)
+        meas = np.maximum.accumulate(np.asarray([best[T] for T in sizes]))
+        Ts = np.arange(self.t_max + 1)
+        cost = np.interp(Ts, sizes, meas)
+        if len(sizes) > 1 and self.t_max > sizes[-1]:  # extrapolate linearly
+            slope = (meas[-1] - meas[-2]) / (sizes[-1] - sizes[-2])
+            over = Ts > sizes[-1]
+            cost[over] = meas[-1] + slope * (Ts[over] - sizes[-1])
+        c1 = cost[1]
+        cost = np.clip(cost, c1, np.maximum(Ts, 1) * c1)
+        cost[0] = c1
+        self.cost = cost
+        return cost
+
+    def __call__(self, T: np.ndarray | int):
+        if self.cost is None:
+            self.calibrate()
+        T = np.asarray(T)
+        c = self.cost
+        slope = c[-1] - c[-2]
+        return c[np.minimum(T, self.t_max)] + np.maximum(T - self.t_max, 0) * slope
+
+
+class AdaptiveController:
+    """Chooses each round's draft length per (sequence, proposer); see the module docstring.
+
+    Per sequence and proposer (and draft kind) it keeps decayed counts of the rounds that reached
+    and accepted each draft position. Where a sequence has little data its estimate leans on a
+    fallback: at position 0 the proposer's acceptance over all sequences so far (starting from an
+    optimistic prior, so a proposer is tried), at position i the sequence's own estimate at i-1
+    (so lengths never tried inherit the acceptance of the ones tried, and a run of fully accepted
+    drafts lets the length grow). While held at N = 0 the counts fade, the estimate returns to
+    the fallback and the proposer is probed again.
+    """
+
+    def __init__(self, cost: CostModel, n_max: int, decay: float = 0.8, skip_decay: float = 0.97,
+                 prior: float = 0.8, pseudo: float = 1.0):
+        self.cost = cost
+        self.n_max = n_max
+        self.decay = decay            # per drafted round: weight of older rounds
+        self.skip_decay = skip_decay  # per round held at N = 0
+        self.prior = prior            # acceptance assumed before any data
+        self.pseudo = pseudo          # pseudo-count pulling each position towards its fallback
+        self._glob: dict[str, np.ndarray] = {}  # key -> [2, n_max] (accepted, reached) counts
+
+    def _global(self, key: str) -> np.ndarray:
+        g = self._glob.get(key)
+        if g is None:
+            g = self._glob[key] = np.zeros((2, self.n_max))
+        return g
+
+    def _state(self, state: dict, key: str) -> np.ndarray:
+        """[2, n_max] decayed (accepted, reached) counts of one sequence."""
+        st = state.get(key)
+        if st is None:
+            st = state[key] = np.zeros((2, self.n_max))
+        return st
+
+    def estimate(self, state: dict, key: str) -> np.ndarray:
+        """Acceptance per position a_0..a_{n_max-1} of one sequence and proposer."""
+        hit, seen = self._state(state, key)
+        g = self._global(key)
+        prev = (g[0, 0] + 2.0 * self.prior) / (g[1, 0] + 2.0)
+        a = np.empty(self.n_max)
+        for i in range(self.n_max):
+            prev = a[i] = (hit[i] + self.pseudo * prev) / (seen[i] + self.pseudo)
+        return a
+
+    def choose(self, state: dict, key: str, cap: int, n_rows: int = 1) -> int:
+        """Draft length in [0, cap] maximizing expected tokens / second; n_rows = rows of the
+        batch without this draft (one per sequence)."""
+        if cap <= 0:
+            return 0
+        cap = min(cap, self.n_max)
+        a = self.estimate(state, key)[:cap]
+        gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(a))])   # E(0..cap)
+        cost = self.cost(n_rows + np.arange(cap + 1))
+        n = int(np.argmax((gain + (n_rows - 1)) / cost))
+        if n == 0:  # held back: forget slowly, so the proposer is probed again later
+            self._state(state, key)[:] *= self.skip_decay
+        return n
+
+    def update(self, state: dict, key: str, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted <= 0:
+            return
+        st = self._state(state, key)
+        st *= self.decay
+        k = min(n_accepted, n_drafted, self.n_max)
+        g = self._global(key)
+        st[:, :k] += 1.0
+        g[:, :k] += 1.0
+        if k < min(n_drafted, self.n_max):
+            st[1, k] += 1.0
+            g[1, k] += 1.0

@@ -1,0 +1,115 @@
+"""The proposer interface every drafter implements (n-gram, draft model, later MTP, EAGLE3, ...).
+
+One proposer object serves every sequence of a decoder; it keeps per-sequence state keyed by the
+sequence id, and ``draft`` is called once per round with the requests of all sequences that want
+a draft, so model drafters can batch them into one decode.
+
+Lifecycle per sequence::
+
+    begin(seq, prompt)                      once, before the first round
+    draft([DraftRequest, ...]) -> drafts    each round (batched over sequences)
+    accept(seq, k, other)                   after verification: k of this proposer's draft tokens
+                                            were accepted (other=True: another proposer won)
+    process(batch)                          after every target decode (prompt and verify)
+    end(seq)                                when the sequence is released
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pyfast.sampling import Sampler
+
+
+@dataclass
+class DraftRequest:
+    """What a proposer needs to draft for one sequence.
+
+    tokens: the sequence so far, prompt and generated, ending with ``id_last`` (the last sampled
+            token, not yet in the target's cache). A read-only view: copy what you keep.
+    n_max:  draft at most this many tokens (>= 1).
+    n_min:  a draft shorter than this is discarded by the decoder.
+    p_min:  model drafters stop when their top-1 probability falls below this (0 = off).
+    sampler: the target's sampler (its params tell a model drafter how to sample; greedy means
+            draft the argmax and supply no probabilities).
+    """
+
+    seq: int
+    tokens: np.ndarray
+    n_max: int
+    n_min: int = 1
+    p_min: float = 0.0
+    sampler: "Sampler | None" = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampler is None or self.sampler.params.greedy
+
+
+@dataclass
+class Draft:
+    """A proposed continuation.
+
+    tokens: the draft token ids d1..dN.
+    probs:  optional [N, n_vocab] float array: row i is the distribution d(i+1) was drawn from
+            (q). When present and the target samples (temperature > 0), the verifier uses
+            rejection sampling; when absent it samples the target and stops at the first mismatch.
+    kind:   an optional label of how the draft was made (e.g. "local" for an n-gram re-sync);
+            the adaptive controller keeps separate acceptance estimates per kind.
+    """
+
+    tokens: np.ndarray
+    probs: np.ndarray | None = None
+    kind: str = ""
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+
+@dataclass
+class DecodeBatch:
+    """A target decode as proposers see it in ``process``: one row per token.
+
+    kind: "prompt" or "verify"; n_accepted maps seq -> accepted draft tokens (verify only).
+    """
+
+    kind: str
+    seq_ids: np.ndarray
+    tokens: np.ndarray
+    positions: np.ndarray
+    n_accepted: dict[int, int] | None = None
+
+
+class Proposer:
+    """Base class: a proposer that never drafts. Subclasses override ``draft`` and what else they
+    need. ``name`` identifies it in statistics; ``provides_probs`` says whether its drafts carry
+    the probabilities the stochastic verifier needs for rejection sampling; ``is_model`` marks
+    drafters whose every token costs a model evaluation: the adaptive controller fixes their
+    draft length before drafting, while cheap proposers draft at full length and are trimmed."""
+
+    name: str = "proposer"
+    provides_probs: bool = False
+    is_model: bool = False
+    default_n_max: int = 16
+    default_n_min: int = 1
+
+    def begin(self, seq: int, prompt: Sequence[int] | np.ndarray) -> None:
+        pass
+
+    def draft(self, requests: list[DraftRequest]) -> list[Draft | None]:
+        return [None] * len(requests)
+
+    def accept(self, seq: int, n_accepted: int, other: bool = False) -> None:
+        pass
+
+    def process(self, batch: DecodeBatch) -> None:
+        pass
+
+    def end(self, seq: int) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"

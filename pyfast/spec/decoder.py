@@ -1,0 +1,264 @@
+"""``SpecDecoder``: advances a set of sequences by one speculative round per target decode.
+
+Per round and sequence (``algorithms.md`` §0.1): the sequence has ``n`` tokens, the last one,
+``id_last``, sampled but not yet in the target's cache (``n_past = n - 1``).
+
+1. ask the proposers, in order, for a draft ``d1..dN`` (the first non-empty one wins);
+2. put ``[id_last, d1..dN]`` at positions ``n_past .. n_past+N`` into the verify batch; the
+   batches of all sequences form ONE decode with logits on every row;
+3. verify (``verify.py``): k accepted tokens plus one recovered or bonus token;
+4. truncate the target's cache to ``n_past + k + 1`` tokens, tell the winning proposer
+   ``accept(k)`` and the others ``accept(k, other=True)``, then ``process`` the batch.
+
+A sequence without a draft just decodes ``[id_last]``: plain decoding is the N = 0 case, and a
+decoder without proposers is a plain multi-sequence decoder. The server reuses this class: one
+``Slot`` per request, ``step`` over the active slots.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from pyfast.memory.kv_cache import KVCacheFull
+from pyfast.sampling import Sampler
+from pyfast.spec.adaptive import AdaptiveController, CostModel
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, Proposer
+from pyfast.spec.config import SpecConfig
+from pyfast.spec.stats import SpecStats
+from pyfast.spec.verify import verify
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class Slot:
+    """One sequence in a decoder: its tokens, sampler, statistics and per-proposer estimates.
+
+    tokens: prompt + generated tokens so far (the last one not yet in the target's cache once the
+    slot has started). n_remaining: set by the caller to the number of tokens it still wants;
+    drafts are capped so a round produces no more than that.
+    """
+
+    def __init__(self, seq: int, prompt: Sequence[int], sampler: Sampler, capacity: int):
+        self.seq = seq
+        self.sampler = sampler
+        self._buf = np.zeros(max(capacity, len(prompt) + 1), dtype=np.int32)
+        self.n = len(prompt)
+        self._buf[: self.n] = np.asarray(prompt, dtype=np.int32)
+        self.n_prompt = self.n
+        self.n_remaining: int | None = None
+        self.stats = SpecStats()
+        self.estimates: dict[str, np.ndarray] = {}  # adaptive: proposer -> acceptance per position
+        self.started = False
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """A read-only view of the sequence's tokens."""
+        v = self._buf[: self.n]
+        v.flags.writeable = False
+        return v
+
+    @property
+    def generated(self) -> list[int]:
+        return self._buf[self.n_prompt: self.n].tolist()
+
+    def _push(self, toks: Sequence[int]) -> None:
+        m = len(toks)
+        if self.n + m > self._buf.size:
+            self._buf = np.concatenate([self._buf, np.zeros(max(m, self._buf.size), dtype=np.int32)])
+        self._buf[self.n: self.n + m] = toks
+        self.n += m
+
+
+class SpecDecoder:
+    """Runs prompt, plain and speculative decoding for a set of sequences over one Context."""
+
+    def __init__(self, ctx, proposers: Sequence[Proposer] = (), config: SpecConfig | None = None):
+        self.ctx = ctx
+        self.proposers = list(proposers)
+        self.config = config or SpecConfig()
+        self.n_max = max((self.config.n_max_for(p) for p in self.proposers), default=0)
+        self.stats = SpecStats()  # cumulative over every slot and request
+        self.slots: dict[int, Slot] = {}
+        self.adaptive: AdaptiveController | None = None
+        if self.proposers:
+            # verify batches come in many sizes: keep their plans instead of rebuilding them
+            ctx.max_plans = max(ctx.max_plans, 2 * self.n_max + 16)
+            if self.config.adaptive:
+                self.adaptive = AdaptiveController(CostModel(ctx, self.n_max + 4), max(self.n_max, 1))
+
+    # --- slots -----------------------------------------------------------------------------
+    def add(self, seq: int, prompt: Sequence[int], sampler: Sampler) -> Slot:
+        """Register a sequence whose prompt is (or will be, via ``prefill``) in the cache."""
+        if seq in self.slots:
+            raise ValueError(f"sequence {seq} is already active")
+        if len(prompt) == 0:
+            raise ValueError("a sequence needs at least one prompt token")
+        slot = Slot(seq, prompt, sampler, self.ctx.n_ctx + self.n_max + 2)
+        self.slots[seq] = slot
+        for p in self.proposers:
+            p.begin(seq, slot.tokens)
+        return slot
+
+    def release(self, slot: Slot, n_keep: int | None = None) -> None:
+        """Forget a sequence; keep its first n_keep tokens in the target's cache (None = keep all)."""
+        for p in self.proposers:
+            p.end(slot.seq)
+        if n_keep is not None:
+            self.ctx.truncate(slot.seq, n_keep)
+        self.slots.pop(slot.seq, None)
+
+    def calibrate(self) -> None:
+        """Measure verify-batch costs now (adaptive mode does it on first use otherwise)."""
+        if self.adaptive is not None:
+            self.adaptive.cost.calibrate()
+
+    # --- decoding --------------------------------------------------------------------------
+    def prefill(self, slots: Sequence[Slot]) -> list[np.ndarray]:
+        """Decode the prompts of fresh slots in one batch; returns each one's last-row logits."""
+        toks = np.concatenate([s.tokens for s in slots]).astype(np.int32)
+        seqs = np.concatenate([np.full(s.n, s.seq, dtype=np.int32) for s in slots])
+        pos = np.concatenate([np.arange(s.n, dtype=np.int32) for s in slots])
+        rows = np.cumsum([s.n for s in slots]) - 1
+        logits = self.ctx.decode(toks, positions=pos, seq_ids=seqs, logits=rows)
+        batch = DecodeBatch("prompt", seqs, toks, pos)
+        for p in self.proposers:
+            p.process(batch)
+        return [logits[i] for i in range(len(slots))]
+
+    def notify_prompt(self, slot: Slot, start: int = 0) -> None:
+        """Tell the proposers that the caller decoded tokens [start:] of a slot's prompt itself."""
+        n = slot.n - start
+        if n > 0 and self.proposers:
+            batch = DecodeBatch("prompt", np.full(n, slot.seq, dtype=np.int32), slot.tokens[start:].copy(),
+                                np.arange(start, slot.n, dtype=np.int32))
+            for p in self.proposers:
+                p.process(batch)
+
+    def start(self, slot: Slot, logits: np.ndarray) -> int:
+        """Sample a slot's first generated token from its prompt's last logits."""
+        t = slot.sampler.sample(logits, slot.tokens)
+        slot._push([t])
+        slot.started = True
+        return t
+
+    def tokens(self, slot: Slot, logits: np.ndarray, remaining=None) -> Iterator[int]:
+        """Generate one sequence's tokens lazily: the first from ``logits``, then one round at a
+        time. ``remaining()`` (optional) returns how many tokens the consumer still wants."""
+        yield self.start(slot, logits)
+        while True:
+            if remaining is not None:
+                slot.n_remaining = remaining()
+            for t in self.step([slot])[0]:
+                yield t
+
+    def _draft(self, slots: Sequence[Slot]):
+        """Each slot's draft, the proposer that made it and its adaptive-statistics key."""
+        ctx, cfg = self.ctx, self.config
+        B = len(slots)
+        drafts: list[Draft | None] = [None] * B
+        winners: list[Proposer | None] = [None] * B
+        keys: list[str | None] = [None] * B
+        if not self.proposers:
+            return drafts, winners, keys
+        free = ctx.n_ctx - ctx.kv.n_used - B  # cells left after one per sequence
+        caps = []
+        for s in slots:
+            cap = min(self.n_max, ctx.n_ctx - s.n - 1, max(free, 0))
+            if s.n_remaining is not None:
+                cap = min(cap, s.n_remaining - 1)
+            cap = max(cap, 0)
+            free -= cap
+            caps.append(cap)
+        pending = [i for i in range(B) if caps[i] > 0]
+        ad = self.adaptive
+        for p in self.proposers:
+            if not pending:
+                break
+            p_max, p_min = cfg.n_max_for(p), max(1, cfg.n_min_for(p))
+            reqs, idx = [], []
+            for i in pending:
+                n = min(caps[i], p_max)
+                if ad is not None and p.is_model:  # each draft token costs: fix the length first
+                    n = ad.choose(slots[i].estimates, p.name, n, B)
+                if n < p_min:
+                    continue
+                s = slots[i]
+                reqs.append(DraftRequest(s.seq, s.tokens, n, p_min, cfg.draft_p_min, s.sampler))
+                idx.append(i)
+            if reqs:
+                n_vocab = ctx.model.n_vocab
+                for i, r, d in zip(idx, reqs, p.draft(reqs)):
+                    if d is None or len(d) < r.n_min:
+                        continue
+                    n = min(len(d), r.n_max)
+                    key = p.name + (":" + d.kind if d.kind else "")
+                    if ad is not None and not p.is_model:  # cheap drafts: trim to the best length
+                        n = ad.choose(slots[i].estimates, key, n, B)
+                        if n < r.n_min:
+                            continue
+                    if n < len(d):
+                        d = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n], d.kind)
+                    if d.tokens.min() < 0 or d.tokens.max() >= n_vocab:
+                        raise ValueError(f"proposer {p.name} drafted a token id outside [0, {n_vocab})")
+                    drafts[i], winners[i], keys[i] = d, p, key
+            pending = [i for i in pending if drafts[i] is None]
+        return drafts, winners, keys
+
+    def step(self, slots: Sequence[Slot]) -> list[list[int]]:
+        """One round for each slot (all in one target decode); returns each slot's new tokens:
+        its accepted draft tokens followed by one recovered or bonus token."""
+        ctx = self.ctx
+        if ctx.n_ctx - ctx.kv.n_used < len(slots):
+            raise KVCacheFull(f"KV cache is full: {ctx.n_ctx} cells, {ctx.kv.n_used} used, "
+                              f"{len(slots)} sequences to advance")
+        t0 = time.perf_counter()
+        drafts, winners, keys = self._draft(slots)
+        t1 = time.perf_counter()
+
+        lens = [1 + (len(d) if d is not None else 0) for d in drafts]
+        T = sum(lens)
+        toks = np.empty(T, dtype=np.int32)
+        pos = np.empty(T, dtype=np.int32)
+        seqs = np.empty(T, dtype=np.int32)
+        o = 0
+        for s, d, m in zip(slots, drafts, lens):
+            toks[o] = s._buf[s.n - 1]
+            if m > 1:
+                toks[o + 1: o + m] = d.tokens
+            pos[o: o + m] = np.arange(s.n - 1, s.n - 1 + m, dtype=np.int32)
+            seqs[o: o + m] = s.seq
+            o += m
+        logits = ctx.decode(toks, positions=pos, seq_ids=seqs, logits="all")
+
+        out: list[list[int]] = []
+        accepted: dict[int, int] = {}
+        o = 0
+        for s, d, w, key, m in zip(slots, drafts, winners, keys, lens):
+            res = verify(logits[o: o + m], d.tokens if d is not None else _EMPTY, s.sampler, s.tokens,
+                         d.probs if d is not None else None)
+            o += m
+            k = res.n_accepted
+            if k < m - 1:
+                ctx.truncate(s.seq, s.n + k)  # keep id_last and the k accepted tokens
+            s._push(res.tokens)
+            accepted[s.seq] = k
+            name = w.name if w is not None else None
+            s.stats.record_round(name, m - 1, k)
+            self.stats.record_round(name, m - 1, k)
+            for p in self.proposers:
+                p.accept(s.seq, k, other=p is not w)
+            if self.adaptive is not None and w is not None:
+                self.adaptive.update(s.estimates, key, m - 1, k)
+            out.append(res.tokens)
+        batch = DecodeBatch("verify", seqs, toks, pos, accepted)
+        for p in self.proposers:
+            p.process(batch)
+        t2 = time.perf_counter()
+        for s in slots:
+            s.stats.t_draft += t1 - t0
+            s.stats.t_verify += t2 - t1
+        self.stats.t_draft += t1 - t0
+        self.stats.t_verify += t2 - t1
+        return out

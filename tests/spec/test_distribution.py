@@ -1,0 +1,157 @@
+"""Stochastic verification preserves the target's distribution (chi-square, 20k+ samples).
+
+The verifier is a pure function of the logit rows, the draft, its probabilities and the RNG, so
+the test computes the real SmolLM2 logits once for a fixed context (the target's rows for every
+first token that can occur, and a draft distribution from the same model on a shortened context,
+which is close to the target's but not equal) and then runs two-position verification many times
+with fresh random drafts. The first two emitted tokens (t1, t2) must follow the target's own
+distribution p0(t1) * p1(t2 | t1) under the user's sampler chain (temperature, top-k, top-p):
+
+- draft-model style: d1 ~ q0, d2 ~ q1(. | d1), rejection sampling with q;
+- n-gram style: a fixed draft, no q: sample the target and stop at the first mismatch.
+
+When verification returns a single (recovered) token, the second one is what the next round
+produces, i.e. a draw from the target's row after t1.
+
+To keep 20k+ verifications fast the rows are restricted to the union of every row's 64 most
+likely tokens: with top_k=20 the sampler keeps exactly the same tokens with the same
+probabilities on that slice as on the full vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pyfast.context import Context
+from pyfast.sampling import Sampler, SamplingParams
+from pyfast.spec.verify import verify
+
+N_SAMPLES = 20000
+TOP = 64
+PROMPT = "My favourite thing to do on a rainy Sunday afternoon is"
+
+
+def chi2_sf_series(x: float, k: int) -> float:
+    """Chi-square survival function, 1 - P(k/2, x/2), from the series of the lower incomplete gamma."""
+    a, z = k / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    term = total = 1.0 / a
+    n = 1
+    while abs(term) > 1e-15 * abs(total) and n < 100000:
+        term *= z / (a + n)
+        total += term
+        n += 1
+    return max(0.0, 1.0 - math.exp(-z + a * math.log(z) - math.lgamma(a)) * total)
+
+
+def chi2_sf(x: float, k: int) -> float:
+    try:
+        from scipy.stats import chi2
+    except ImportError:
+        return chi2_sf_series(x, k)
+    return float(chi2.sf(x, k))
+
+
+def test_chi2_sf_series_matches_known_values():
+    assert chi2_sf_series(3.841, 1) == pytest.approx(0.05, abs=1e-3)
+    assert chi2_sf_series(18.307, 10) == pytest.approx(0.05, abs=1e-3)
+    assert chi2_sf_series(149.449, 100) == pytest.approx(0.001, abs=2e-4)
+
+
+@pytest.fixture(scope="module")
+def rows(smollm2_model, base_llm):
+    """Target rows p0, p1[t] and draft rows q0, q1[t] (full-vocabulary float32 logits)."""
+    ctx = Context(smollm2_model, n_ctx=256, n_threads=2)
+    toks = base_llm.tokenize(PROMPT)
+    short = toks[3:]  # the draft sees less context: a different, overlapping distribution
+
+    def after(prefix: list[int], firsts) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        ctx.clear()
+        r0 = ctx.decode(prefix, seq_ids=0)[-1]
+        out = {}
+        for t in firsts:
+            ctx.truncate(0, len(prefix))
+            out[int(t)] = ctx.decode([int(t)], positions=[len(prefix)], seq_ids=0)[-1]
+        return r0, out
+
+    p0, _ = after(toks, [])
+    q0, _ = after(short, [])
+    firsts = np.union1d(np.argsort(-p0)[:24], np.argsort(-q0)[:24])
+    _, p1 = after(toks, firsts)
+    _, q1 = after(short, firsts)
+    return p0, p1, q0, q1
+
+
+def sliced(rows):
+    """Restrict every row to the union of their top-64 ids; returns (ids, p0, p1, q0, q1)."""
+    p0, p1, q0, q1 = rows
+    allrows = [p0, q0, *p1.values(), *q1.values()]
+    ids = np.unique(np.concatenate([np.argsort(-r)[:TOP] for r in allrows]))
+    pos = {int(t): i for i, t in enumerate(ids)}
+    s = lambda r: np.ascontiguousarray(r[ids])  # noqa: E731
+    return (ids, pos, s(p0), {pos[t]: s(r) for t, r in p1.items() if t in pos},
+            s(q0), {pos[t]: s(r) for t, r in q1.items() if t in pos})
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("style", ["draft-model", "ngram"])
+def test_two_token_distribution_matches_target(rows, temperature, style):
+    ids, pos, p0, p1, q0, q1 = sliced(rows)
+    V = ids.size
+    params = SamplingParams(temperature=temperature, top_k=20, top_p=0.9, min_p=0.0, seed=11)
+    target = Sampler(params, V)
+    draft_s = Sampler(SamplingParams(temperature=temperature, top_k=20, top_p=0.9, min_p=0.0), V)
+    rng = np.random.default_rng(1234 + int(temperature * 10))
+
+    # exact target distribution of (t1, t2) and the draft's q
+    P0 = target.probs(p0)
+    assert set(np.flatnonzero(P0)) <= set(p1), "a possible first token lacks its target row"
+    P1 = {t: target.probs(r) for t, r in p1.items()}
+    Q0 = draft_s.probs(q0)
+    Q1 = {t: draft_s.probs(r) for t, r in q1.items()}
+    assert 0.05 < np.minimum(P0, Q0).sum() < 0.97, "draft should overlap the target, not equal it"
+
+    hist = np.zeros(1, dtype=np.int64)
+    fixed = np.array([int(np.argsort(-P0)[1]), 0])  # n-gram style: the 2nd most likely token, then
+    fixed[1] = int(np.argmax(P1[int(fixed[0])]))      # the target's favourite after it
+    counts: dict[tuple[int, int], int] = {}
+    for _ in range(N_SAMPLES):
+        if style == "draft-model":
+            d1 = int(rng.choice(V, p=Q0))
+            d2 = int(rng.choice(V, p=Q1[d1]))
+            draft, q = np.array([d1, d2]), np.stack([Q0, Q1[d1]])
+        else:
+            draft, q = fixed, None
+        lrows = np.stack([p0, p1[int(draft[0])], p0])  # row 2 (the bonus) is never looked at
+        res = verify(lrows, draft, target, hist, q)
+        t1 = res.tokens[0]
+        if len(res.tokens) >= 2:
+            t2 = res.tokens[1]
+        else:  # the next round: row 0 is the target's row after t1
+            t2 = verify(p1[t1][None, :], np.zeros(0, dtype=np.int64), target, hist).tokens[0]
+        counts[(t1, t2)] = counts.get((t1, t2), 0) + 1
+
+    expected = {(a, b): N_SAMPLES * P0[a] * P1[a][b] for a in np.flatnonzero(P0) for b in np.flatnonzero(P1[a])}
+    assert set(counts) <= set(expected), "a token outside the target's kept set was emitted"
+    big = [c for c, e in expected.items() if e >= 5.0]
+    obs = [counts.get(c, 0) for c in big]
+    exp = [expected[c] for c in big]
+    rest_obs = N_SAMPLES - sum(obs)
+    rest_exp = N_SAMPLES - sum(exp)
+    if rest_exp >= 5.0:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    assert len(obs) >= 20
+    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    p = chi2_sf(x, len(obs) - 1)
+    assert p > 0.001, f"chi-square {x:.1f} on {len(obs) - 1} dof: p = {p:.2e}"
+    # and the first token alone
+    first = np.zeros(V)
+    for (a, _), c in counts.items():
+        first[a] += c
+    sup = np.flatnonzero(P0 * N_SAMPLES >= 5.0)
+    x1 = float((((first[sup] - N_SAMPLES * P0[sup]) ** 2) / (N_SAMPLES * P0[sup])).sum())
+    assert chi2_sf(x1, sup.size) > 0.001

@@ -1,0 +1,161 @@
+"""N-gram proposers on crafted token histories: matches, boundaries, caps, sharing and resets."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyfast.spec.base import DraftRequest
+from pyfast.spec.ngram import NgramMapK, NgramMod, NgramSimple, bucket_of, ngram_hashes
+
+
+def req(tokens, n_max=16, seq=0, n_min=1):
+    return DraftRequest(seq=seq, tokens=np.asarray(tokens, dtype=np.int32), n_max=n_max, n_min=n_min)
+
+
+def draft1(p, tokens, **kw):
+    d = p.draft([req(tokens, **kw)])[0]
+    return None if d is None else d.tokens.tolist()
+
+
+# --- ngram-simple ---------------------------------------------------------------------------
+
+def test_simple_copies_after_most_recent_occurrence():
+    p = NgramSimple(n=3, grow=False)
+    h = [1, 2, 3, 10, 11, 7, 1, 2, 3, 20, 21, 22, 9, 1, 2, 3]
+    assert draft1(p, h) == [20, 21, 22, 9, 1, 2, 3]   # the later of the two occurrences
+    assert draft1(p, h, n_max=2) == [20, 21]
+
+
+def test_simple_boundaries():
+    p = NgramSimple(n=3, n_local=0, grow=False)
+    assert draft1(p, [1, 2, 3]) is None                   # the key itself is the whole history
+    assert draft1(p, [1, 2, 3, 1, 2, 3]) == [1, 2, 3]     # overlapping copy (periodic text)
+    assert draft1(p, [5, 1, 2, 3, 4, 2, 3]) is None       # only 2 of 3 key tokens occur earlier
+    assert draft1(p, [1, 2, 3, 9, 1, 2, 3]) == [9, 1, 2, 3]
+    assert draft1(p, [7, 7]) is None
+
+
+def test_simple_draft_length_grows_with_match_length():
+    p = NgramSimple(n=3, n_max_local=2, grow=True)
+    text = list(range(100, 140))
+    # 3 tokens of the text repeated: a short match, short draft
+    assert len(draft1(p, text + [1] + text[:3])) == 3
+    # 12 tokens in step with the text: a draft of 12
+    assert len(draft1(p, text + [1] + text[:12])) == 12
+    assert len(draft1(p, text + [1] + text[:30])) == 16   # capped by n_max
+
+
+def test_simple_resyncs_near_anchor_after_a_deviation():
+    p = NgramSimple(n=4, n_local=1, n_max_local=4, grow=False)
+    src = list(range(100, 130))
+    h = src + [1] + src[:10]
+    d = p.draft([req(h)])[0]
+    assert d.tokens.tolist() == src[10:26]
+    p.accept(0, 5)                        # 5 accepted, then the model wrote 77 instead of src[15]
+    h = h + src[10:15] + [77]
+    assert draft1(p, h) is None           # the key [.., 77] occurs nowhere, 77 is not near the anchor
+    # the model goes on with src[16]: its one-token key is found at the anchor, copy resumes
+    h = h + [src[16]]
+    d = p.draft([req(h)])[0]
+    assert d is not None and d.kind == "local" and d.tokens.tolist() == src[17:21]
+    # without the anchor (n_local=0) nothing is drafted
+    q = NgramSimple(n=4, n_local=0, grow=False)
+    assert draft1(q, h) is None
+
+
+# --- ngram-map-k ------------------------------------------------------------------------------
+
+def test_map_k_matches_and_caps_by_last_accepted_length():
+    p = NgramMapK(n=3)
+    p.begin(0, [])
+    h = [1, 2, 3, 10, 11, 12, 13, 14, 5, 1, 2, 3]
+    assert draft1(p, h) == [10, 11, 12, 13, 14, 5, 1, 2, 3]
+    p.accept(0, 2)                               # 2 of 9 accepted: this key is capped at 2
+    assert draft1(p, h) == [10, 11]
+    p.accept(0, 2)                               # all (2) accepted: the cap is lifted
+    assert draft1(p, h) == [10, 11, 12, 13, 14, 5, 1, 2, 3]
+    p.accept(0, 0)                               # none accepted: keep probing with one token
+    assert draft1(p, h) == [10]
+    p.accept(0, 5, other=True)                   # another proposer's round changes nothing
+    assert draft1(p, h) == [10]
+
+
+def test_map_k_boundaries_and_collisions():
+    p = NgramMapK(n=3, bits=1)                   # 2 buckets: collisions everywhere
+    p.begin(0, [])
+    assert draft1(p, [1, 2, 3]) is None
+    assert draft1(p, [4, 5, 6, 7, 8, 9, 1, 2, 3]) is None   # a colliding bucket is checked, not trusted
+    q = NgramMapK(n=3)
+    q.begin(0, [])
+    assert draft1(q, [1, 2, 3, 1, 2, 3]) == [1, 2, 3]
+
+
+def test_map_k_indexes_incrementally():
+    p = NgramMapK(n=2)
+    p.begin(0, [])
+    h = [1, 2, 3, 4]
+    assert draft1(p, h) is None
+    h += [1, 2]
+    assert draft1(p, h) == [3, 4, 1, 2]
+    h += [9, 3, 4]
+    assert draft1(p, h) == [1, 2, 9, 3, 4]       # after the only earlier (3, 4)
+    h += [7, 1, 2]
+    assert draft1(p, h) == [9, 3, 4, 7, 1, 2]    # (1, 2) now last seen before 9
+
+
+# --- ngram-mod --------------------------------------------------------------------------------
+
+def test_mod_chains_lookups_and_respects_n_min():
+    p = NgramMod(n=2, size_bits=16)
+    p.begin(0, [])
+    h = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert draft1(p, h, n_max=3) == [3, 4, 5]
+    assert draft1(p, h, n_max=10) == [3, 4, 5, 6, 1, 2, 3, 4, 5, 6]  # chains through its own output
+    assert draft1(p, [8, 9, 8, 9, 7, 1], n_max=4, seq=1) is None      # (7, 1) unseen
+    # sequence 2 reaches what sequence 3 indexed; the chain ends at (13, 14), whose follower is unknown
+    draft1(p, [11, 12, 13, 14], seq=3)
+    assert draft1(p, [9, 11, 12], seq=2, n_max=8) == [13, 14]
+    assert draft1(p, [9, 11, 12], seq=2, n_max=8, n_min=3) is None
+
+
+def test_mod_table_is_shared_across_sequences():
+    p = NgramMod(n=3, size_bits=16)
+    p.begin(0, [])
+    p.begin(1, [])
+    assert draft1(p, [1, 2, 3, 4, 5, 6, 7], seq=0) is None
+    # sequence 1 never saw (4, 5, 6) followed by 7, sequence 0 did
+    assert draft1(p, [9, 9, 4, 5, 6], seq=1, n_max=1) == [7]
+
+
+def test_mod_resets_when_full_at_begin_and_after_bad_rounds():
+    p = NgramMod(n=2, size_bits=4)               # 16 entries
+    p.begin(0, [])
+    draft1(p, list(range(1, 12)))
+    assert p.occupancy > 0.25
+    p.begin(1, [])
+    assert p.n_resets == 1 and p.n_used == 0
+    q = NgramMod(n=2, size_bits=16)
+    q.begin(0, [])
+    h = [1, 2, 3, 4, 5, 1, 2]
+    for i in range(NgramMod.RESET_ROUNDS):
+        assert draft1(q, h, n_max=4) is not None
+        assert q.n_resets == 0
+        q.accept(0, 0)
+    assert q.n_resets == 1
+    assert draft1(q, h, n_max=4) == [3, 4, 5, 1]  # the active sequence is indexed again
+
+
+def test_hash_helpers_agree_with_rolling_hash():
+    toks = np.array([5, 9, 1, 0, 44, 7], dtype=np.int32)
+    hs = ngram_hashes(toks, 3)
+    assert hs.size == 4
+    again = ngram_hashes(toks[2:5], 3)
+    assert again[0] == hs[2]
+    b = bucket_of(hs, 10)
+    assert b.min() >= 0 and b.max() < 1024
+
+
+@pytest.mark.parametrize("cls", [NgramSimple, NgramMapK, NgramMod])
+def test_bad_key_length(cls):
+    with pytest.raises(ValueError, match="key length"):
+        cls(n=0)
