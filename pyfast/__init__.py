@@ -18,6 +18,7 @@ _LAZY = {
     "Tokenizer": "pyfast.tokenizer",
     "ChatTemplate": "pyfast.chat",
     "Context": "pyfast.context",
+    "SpecConfig": "pyfast.spec.config",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

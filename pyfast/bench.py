@@ -93,4 +93,4 @@ def format_results(results: list[BenchResult], fmt: str = "md") -> str:
 
 
 # Speculative decoding benchmarks (`pyfast bench --spec`) live with the proposers.
-from pyfast.spec.bench import SpecBenchRow, format_spec_results, run_spec_bench  # noqa: E402,F401
+from pyfast.spec.bench import SpecBenchRow, format_spec_results, run_spec_bench  # noqa: F401

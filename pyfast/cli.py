@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -192,7 +193,8 @@ def _bench_spec(a, threads: list[int], n_gen: int) -> int:
         cfg = _spec_config(a, types)
         if cfg is None:
             raise ValueError(f"--spec {types!r}: give proposer names (plain decoding is always measured)")
-        configs.append((types + (" adaptive" if cfg.adaptive else ""), cfg))
+        label = types + (f" ({os.path.basename(str(cfg.draft_model))})" if cfg.draft_model else "")
+        configs.append((label + (" adaptive" if cfg.adaptive else ""), cfg))
     rows = run_spec_bench(str(resolve_model(a.model)), configs, prompts=a.prompts, n_gen=n_gen,
                           threads=threads, reps=a.repetitions, temperature=a.temp, n_ctx=a.ctx_size,
                           log=lambda m: print(m, file=sys.stderr))

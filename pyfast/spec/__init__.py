@@ -17,11 +17,11 @@ from __future__ import annotations
 from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, Proposer
 from pyfast.spec.config import SPEC_TYPES, SpecConfig, make_proposers
 from pyfast.spec.stats import ProposerStats, SpecStats
-from pyfast.spec.verify import VerifyResult, verify
+from pyfast.spec.verify import VerifyResult
 
 __all__ = [
     "SPEC_TYPES", "SpecConfig", "make_proposers", "Proposer", "Draft", "DraftRequest", "DecodeBatch",
-    "SpecStats", "ProposerStats", "VerifyResult", "verify", "SpecDecoder", "Slot",
+    "SpecStats", "ProposerStats", "VerifyResult", "SpecDecoder", "Slot",
     "NgramSimple", "NgramMapK", "NgramMod", "DraftModelProposer", "check_vocab_compatible",
 ]
 

@@ -3,7 +3,7 @@
 Two measurements drive it:
 
 - the cost ``c(T)`` of one target decode of T rows with logits on every row, measured once per
-  decoder (a short calibration on a scratch sequence, about 40 decodes);
+  decoder (a short calibration on a scratch sequence, about 80 small decodes);
 - the acceptance per position: ``a_i`` = probability that draft position i is accepted given that
   every earlier position was, a running average per sequence and proposer, started from the
   proposer's cumulative counts.
@@ -26,9 +26,10 @@ SCRATCH_SEQ = 2**30  # a sequence id no caller uses: calibration decodes go ther
 class CostModel:
     """Seconds per target decode of T rows (T = 1 .. t_max), with every row's logits returned.
 
-    Measured once (``calibrate``): each size a few times, round-robin so that a burst of load
-    on a shared machine hits all sizes alike, keeping the fastest run of each. The curve is
-    made non-decreasing and kept within [c(1), T * c(1)].
+    Measured once (``calibrate``): a few back-to-back runs of each size (the way decodes of one
+    size follow each other), in two passes so that a burst of load on a shared machine does not
+    spoil one size, keeping the fastest run of each. The curve is made non-decreasing and kept
+    within [c(1), T * c(1)].
     """
 
     SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
@@ -38,7 +39,7 @@ class CostModel:
         self.t_max = max(2, int(t_max))
         self.cost: np.ndarray | None = None  # [t_max + 1]; cost[0] unused
 
-    def calibrate(self, reps: int = 3) -> np.ndarray:
+    def calibrate(self, reps: int = 3, passes: int = 2) -> np.ndarray:
         """Time decodes of a few sizes on a scratch sequence; interpolate the rest."""
         ctx = self.ctx
         free = ctx.n_ctx - ctx.kv.n_used
@@ -46,14 +47,15 @@ class CostModel:
         sizes = sorted({s for s in self.SIZES if s <= t_hi} | {t_hi})
         toks = np.random.default_rng(0).integers(0, ctx.model.n_vocab, size=t_hi)
         best = {T: float("inf") for T in sizes}
-        for r in range(reps + 1):  # round 0 builds the plans
+        for _ in range(passes):
             for T in sizes:
-                t0 = time.perf_counter()
-                ctx.decode(toks[:T], positions=np.arange(T), seq_ids=SCRATCH_SEQ, logits="all")
-                dt = time.perf_counter() - t0
-                ctx.truncate(SCRATCH_SEQ, 0)
-                if r:
-                    best[T] = min(best[T], dt)
+                for r in range(reps + 1):  # the first run builds the plan and warms the caches
+                    t0 = time.perf_counter()
+                    ctx.decode(toks[:T], positions=np.arange(T), seq_ids=SCRATCH_SEQ, logits="all")
+                    dt = time.perf_counter() - t0
+                    ctx.truncate(SCRATCH_SEQ, 0)
+                    if r:
+                        best[T] = min(best[T], dt)
         meas = np.maximum.accumulate(np.asarray([best[T] for T in sizes]))
         Ts = np.arange(self.t_max + 1)
         cost = np.interp(Ts, sizes, meas)
@@ -89,12 +91,13 @@ class AdaptiveController:
     """
 
     def __init__(self, cost: CostModel, n_max: int, decay: float = 0.8, skip_decay: float = 0.97,
-                 prior: float = 0.8, pseudo: float = 1.0):
+                 prior: float = 0.8, pseudo: float = 1.0, priors: dict[str, float] | None = None):
         self.cost = cost
         self.n_max = n_max
         self.decay = decay            # per drafted round: weight of older rounds
         self.skip_decay = skip_decay  # per round held at N = 0
         self.prior = prior            # acceptance assumed before any data
+        self.priors = dict(priors or {})  # the same, per key ("proposer" or "proposer:kind")
         self.pseudo = pseudo          # pseudo-count pulling each position towards its fallback
         self._glob: dict[str, np.ndarray] = {}  # key -> [2, n_max] (accepted, reached) counts
 
@@ -115,7 +118,7 @@ class AdaptiveController:
         """Acceptance per position a_0..a_{n_max-1} of one sequence and proposer."""
         hit, seen = self._state(state, key)
         g = self._global(key)
-        prev = (g[0, 0] + 2.0 * self.prior) / (g[1, 0] + 2.0)
+        prev = (g[0, 0] + 2.0 * self.priors.get(key, self.prior)) / (g[1, 0] + 2.0)
         a = np.empty(self.n_max)
         for i in range(self.n_max):
             prev = a[i] = (hit[i] + self.pseudo * prev) / (seen[i] + self.pseudo)

@@ -95,6 +95,7 @@ class Proposer:
     is_model: bool = False
     default_n_max: int = 16
     default_n_min: int = 1
+    kind_priors: dict[str, float] = {}  # Draft.kind -> acceptance the adaptive controller assumes first
 
     def begin(self, seq: int, prompt: Sequence[int] | np.ndarray) -> None:
         pass

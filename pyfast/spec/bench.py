@@ -46,6 +46,13 @@ def run_spec_bench(model_path: str, configs: list[tuple[str, SpecConfig]], promp
     from pyfast.llm import LLM
 
     set_name, texts = load_prompts(prompts)
+    names: list[str] = []
+    for name, _ in configs:  # labels key the results: make repeated ones unique
+        label, i = name, 2
+        while label in names or label == "none":
+            label, i = f"{name} #{i}", i + 1
+        names.append(label)
+    configs = [(label, cfg) for label, (_, cfg) in zip(names, configs)]
     results: list[SpecBenchRow] = []
     for nt in threads or [default_threads()]:
         base = LLM(model_path, n_ctx=n_ctx, n_threads=nt)
@@ -68,7 +75,7 @@ def run_spec_bench(model_path: str, configs: list[tuple[str, SpecConfig]], promp
                         p.reset()
             order = runners if r % 2 == 0 else runners[::-1]
             tot = {name: [0, 0.0] for name, _ in runners}
-            for pi, text in enumerate(texts_in):
+            for text in texts_in:
                 for name, llm in order:
                     llm.ctx.clear()
                     llm._cached = []

@@ -79,6 +79,13 @@ class SpecDecoder:
         self.proposers = list(proposers)
         self.config = config or SpecConfig()
         self.n_max = max((self.config.n_max_for(p) for p in self.proposers), default=0)
+        if self.proposers:
+            # a rejected draft is removed from the target's memory: ask how far it can roll back
+            rollback = ctx.kv.can_rollback() if hasattr(ctx.kv, "can_rollback") else float("inf")
+            if rollback < 1:
+                raise ValueError("speculative decoding needs a memory that can remove trailing tokens; "
+                                 "this model's cannot")
+            self.n_max = int(min(self.n_max, rollback))
         self.stats = SpecStats()  # cumulative over every slot and request
         self.slots: dict[int, Slot] = {}
         self.adaptive: AdaptiveController | None = None
@@ -86,7 +93,10 @@ class SpecDecoder:
             # verify batches come in many sizes: keep their plans instead of rebuilding them
             ctx.max_plans = max(ctx.max_plans, 2 * self.n_max + 16)
             if self.config.adaptive:
-                self.adaptive = AdaptiveController(CostModel(ctx, self.n_max + 4), max(self.n_max, 1))
+                priors = {p.name + (":" + k if k else ""): v for p in self.proposers
+                          for k, v in getattr(p, "kind_priors", {}).items()}
+                self.adaptive = AdaptiveController(CostModel(ctx, self.n_max + 4), max(self.n_max, 1),
+                                                   priors=priors)
 
     # --- slots -----------------------------------------------------------------------------
     def add(self, seq: int, prompt: Sequence[int], sampler: Sampler) -> Slot:
@@ -150,8 +160,7 @@ class SpecDecoder:
         while True:
             if remaining is not None:
                 slot.n_remaining = remaining()
-            for t in self.step([slot])[0]:
-                yield t
+            yield from self.step([slot])[0]
 
     def _draft(self, slots: Sequence[Slot]):
         """Each slot's draft, the proposer that made it and its adaptive-statistics key."""

@@ -83,11 +83,12 @@ class NgramSimple(Proposer):
     draft of at most ``n_max_local`` tokens; once some are accepted the full key matches again.
 
     Drafts are labelled (``Draft.kind``) "local", "short" (match < 6) or "" (long) for the
-    adaptive controller.
+    adaptive controller, with prior acceptance rates measured on SmolLM2 chat and copy prompts.
     """
 
     name = "ngram-simple"
     default_n_max = 16
+    kind_priors = {"": 0.9, "short": 0.6, "local": 0.5}
 
     def __init__(self, n: int = 4, n_local: int = 1, n_max_local: int = 4, grow: bool = True):
         if n < 1:
@@ -112,6 +113,9 @@ class NgramSimple(Proposer):
         if a is None or not self.n_local:
             return -1
         L = h.size
+        if L - a[1] >= self.n:  # the full key would match again by now if the copy went on
+            del self._anchor[seq]
+            return -1
         expect = a[0] + (L - a[1]) - 1  # where the sequence's last token sits in the source
         lo_all = max(0, expect - 8 - self.n)
         seg = h[lo_all: min(L - 1, expect + 9)].tolist()  # a few dozen tokens: plain Python
@@ -121,8 +125,9 @@ class NgramSimple(Proposer):
             key = tail[self.n - m:]
             best = -1
             for e in range(max(m - 1, expect - w), min(L - 2, expect + w) + 1):
-                i = e - lo_all
-                if i - m + 1 >= 0 and seg[i - m + 1: i + 1] == key and (best < 0 or abs(e - expect) < abs(best - expect)):
+                i = e - lo_all  # e: where the key would end in the source; keep the nearest hit
+                hit = i - m + 1 >= 0 and seg[i - m + 1: i + 1] == key
+                if hit and (best < 0 or abs(e - expect) < abs(best - expect)):
                     best = e
             if best >= 0:
                 return best + 1

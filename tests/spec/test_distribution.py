@@ -91,7 +91,9 @@ def sliced(rows):
     allrows = [p0, q0, *p1.values(), *q1.values()]
     ids = np.unique(np.concatenate([np.argsort(-r)[:TOP] for r in allrows]))
     pos = {int(t): i for i, t in enumerate(ids)}
-    s = lambda r: np.ascontiguousarray(r[ids])  # noqa: E731
+    def s(r):
+        return np.ascontiguousarray(r[ids])
+
     return (ids, pos, s(p0), {pos[t]: s(r) for t, r in p1.items() if t in pos},
             s(q0), {pos[t]: s(r) for t, r in q1.items() if t in pos})
 
@@ -99,7 +101,7 @@ def sliced(rows):
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("style", ["draft-model", "ngram"])
 def test_two_token_distribution_matches_target(rows, temperature, style):
-    ids, pos, p0, p1, q0, q1 = sliced(rows)
+    ids, _, p0, p1, q0, q1 = sliced(rows)
     V = ids.size
     params = SamplingParams(temperature=temperature, top_k=20, top_p=0.9, min_p=0.0, seed=11)
     target = Sampler(params, V)

@@ -137,7 +137,7 @@ def test_mod_resets_when_full_at_begin_and_after_bad_rounds():
     q = NgramMod(n=2, size_bits=16)
     q.begin(0, [])
     h = [1, 2, 3, 4, 5, 1, 2]
-    for i in range(NgramMod.RESET_ROUNDS):
+    for _ in range(NgramMod.RESET_ROUNDS):
         assert draft1(q, h, n_max=4) is not None
         assert q.n_resets == 0
         q.accept(0, 0)
