@@ -35,6 +35,14 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_metadata(smollm2_path) -> dict:
+    """SmolLM2's GGUF metadata as a plain dict (native reader)."""
+    from pyfast.gguf import GGUFReader
+
+    return dict(GGUFReader(str(smollm2_path)).metadata)
+
+
+@pytest.fixture(scope="session")
 def smollm2_model(smollm2_path):
     from pyfast.models import Model
 

@@ -3,13 +3,11 @@ validation, and hostile templates that must fail without touching Python interna
 from __future__ import annotations
 
 import datetime
-from pathlib import Path
 
 import pytest
 
 from pyfast.chat import CHATML_TEMPLATE, ChatTemplate
 
-SMOLLM2 = Path.home() / ".cache/pyfast/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CONVO = [
     {"role": "user", "content": "What is 2+2?"},
@@ -18,24 +16,9 @@ CONVO = [
 ]
 
 
-def read_gguf_metadata(path: Path) -> dict:
-    """GGUF metadata as a plain dict: pyfast's reader when it is available, else gguf-py."""
-    try:
-        from pyfast.gguf import GGUFReader  # native reader, once it lands
-    except Exception:
-        GGUFReader = None
-    if GGUFReader is not None:
-        return dict(GGUFReader(str(path)).metadata)
-    gguf = pytest.importorskip("gguf")
-    reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-
 @pytest.fixture(scope="module")
-def smol_md():
-    if not SMOLLM2.exists():
-        pytest.skip(f"{SMOLLM2} not present")
-    return read_gguf_metadata(SMOLLM2)
+def smol_md(smollm2_metadata):
+    return smollm2_metadata
 
 
 # ---------------------------------------------------------------------------------------------

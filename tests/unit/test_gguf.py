@@ -20,7 +20,6 @@ from pyfast._loader import native  # noqa: E402
 GT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
 
-SMOLLM2 = pathlib.Path.home() / ".cache/pyfast/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 rng = np.random.default_rng(0)
 F32 = rng.standard_normal((3, 5, 8)).astype(np.float32)
@@ -525,10 +524,9 @@ def test_random_corruption_never_crashes(good, tmp_path):
 
 # --- the real model -------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2 GGUF not downloaded")
-def test_smollm2_metadata():
+def test_smollm2_metadata(smollm2_path):
     t0 = time.perf_counter()
-    r = GGUFReader(SMOLLM2)
+    r = GGUFReader(smollm2_path)
     md = r.metadata
     dt = time.perf_counter() - t0
     print(f"\nSmolLM2 GGUFReader open + metadata: {dt * 1e3:.1f} ms")

@@ -25,7 +25,6 @@ from tests.reference.tiny_gguf import WTYPES, write_llama_gguf, write_tiny_llama
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 LLAMACPP_REFS = SHARED / "refs" / "smollm2" / "llamacpp.json"
-SMOLLM2 = Path.home() / ".cache" / "pyfast" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -229,14 +228,13 @@ def test_gqa_equals_mha_with_repeated_kv_heads(tmp_path):
 # -- the real model against llama.cpp ------------------------------------------------------------
 
 
-@pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} not present")
 @pytest.mark.skipif(not LLAMACPP_REFS.is_file(), reason=f"{LLAMACPP_REFS} not present")
-def test_smollm2_first_tokens_match_llamacpp():
+def test_smollm2_first_tokens_match_llamacpp(smollm2_path):
     refs = json.loads(LLAMACPP_REFS.read_text())
     case = refs["greedy_cases"]["cases"][0]
     prompt, greedy = case["prompt_tokens"], case["greedy_tokens"]
     top = case["top_logprobs"]
-    ref = LlamaRef(SMOLLM2, cache_weights=True)
+    ref = LlamaRef(smollm2_path, cache_weights=True)
     dims = (ref.n_layer, ref.n_embd, ref.n_head, ref.n_head_kv, ref.n_vocab)
     assert dims == (30, 576, 9, 3, 49152)
     assert ref.tied and ref.rope_base == 100000.0

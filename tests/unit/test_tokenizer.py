@@ -12,21 +12,7 @@ import pytest
 
 from pyfast.tokenizer import PRE_TOKENIZER_REGEXES, StreamDecoder, Tokenizer, TokenType
 
-SMOLLM2 = Path.home() / ".cache/pyfast/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 REFS = Path(__file__).parents[2].parent / "shared/refs/smollm2/llamacpp.json"
-
-
-def read_gguf_metadata(path: Path) -> dict:
-    """GGUF metadata as a plain dict: pyfast's reader when it is available, else gguf-py."""
-    try:
-        from pyfast.gguf import GGUFReader  # native reader, once it lands
-    except Exception:
-        GGUFReader = None
-    if GGUFReader is not None:
-        return dict(GGUFReader(str(path)).metadata)
-    gguf = pytest.importorskip("gguf")
-    reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -34,10 +20,8 @@ def read_gguf_metadata(path: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smol_md():
-    if not SMOLLM2.exists():
-        pytest.skip(f"{SMOLLM2} not present")
-    return read_gguf_metadata(SMOLLM2)
+def smol_md(smollm2_metadata):
+    return smollm2_metadata
 
 
 @pytest.fixture(scope="module")
