@@ -1,4 +1,4 @@
-"""The ``pyfast`` command: generate, chat, serve, perplexity, bench, info, pull, quantize."""
+"""The ``pyfast`` command: generate, chat, serve, perplexity, bench, info, pull, quantize, convert."""
 from __future__ import annotations
 
 import argparse
@@ -213,6 +213,22 @@ def cmd_quantize(a) -> int:
     return 0
 
 
+def cmd_convert(a) -> int:
+    import warnings
+
+    from pyfast.convert import convert
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = convert(a.hf_dir, a.output, mtp=a.mtp, outtype=a.outtype, log=None if a.quiet else print)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    print(f"{res.path}: {res.arch}, {res.n_tensors} tensors ({res.n_mtp} MTP layer(s)), "
+          f"{res.out_bytes / 2**20:.1f} MiB in {res.seconds:.1f} s"
+          + ("" if res.has_tokenizer else " (no tokenizer)"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pyfast", description="Fast LLM inference on GGUF models")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -287,6 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "chosen type is not smaller than the source's (default: keep such tensors)")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-tensor lines")
     p.set_defaults(fn=cmd_quantize)
+
+    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next)")
+    p.add_argument("hf_dir", help="model directory: config.json, *.safetensors, tokenizer files")
+    p.add_argument("output", help="destination GGUF file")
+    p.add_argument("--outtype", type=str.lower, choices=["f32", "f16", "bf16"], default="f32",
+                   help="type of the weight matrices (norms and small tensors stay F32)")
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the multi-token-prediction layers as nextn blocks (default: keep)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-tensor lines")
+    p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("pull", help="download a model into the cache")
     p.add_argument("name", nargs="?", default="smollm2")
