@@ -25,6 +25,10 @@ class BenchResult:
     tps_median: float
     tps_stdev: float
     samples: list[float]
+    # Generation rows: the machine's measured read bandwidth with this many threads and the
+    # fraction of the bandwidth bound (every weight byte read once per token) reached.
+    read_gbs: float | None = None
+    bw_fraction: float | None = None
 
 
 def _random_tokens(n: int, n_vocab: int, seed: int) -> list[int]:
@@ -57,8 +61,15 @@ def bench_tg(ctx: Context, n: int, seed: int = 0) -> float:
     return n / dt
 
 
+def read_bandwidth_gbs(n_threads: int, nbytes: int = 256 << 20) -> float:
+    """Measured memory read bandwidth (GB/s) with n_threads threads."""
+    from pyfast._loader import native
+
+    return native.read_bandwidth(nbytes, n_threads, 3) / 1e9
+
+
 def run_bench(model_path: str, pp: list[int], tg: list[int], threads: list[int], reps: int = 3,
-              n_ctx: int = 2048) -> list[BenchResult]:
+              n_ctx: int = 2048, bandwidth: bool = True) -> list[BenchResult]:
     from pyfast._loader import native
 
     model = Model(model_path)
@@ -67,28 +78,33 @@ def run_bench(model_path: str, pp: list[int], tg: list[int], threads: list[int],
     results = []
     for nt in threads:
         ctx = Context(model, n_ctx=max(n_ctx, max(pp + tg, default=0) + 1), n_threads=nt)
+        bw = read_bandwidth_gbs(nt) if bandwidth and any(n > 0 for n in tg) else None
         for kind, sizes, fn in (("pp", pp, bench_pp), ("tg", tg, bench_tg)):
             for n in sizes:
                 if n <= 0:
                     continue
                 fn(ctx, min(n, 16), seed=123)  # warm-up (page in weights, build plans)
                 samples = [fn(ctx, n, seed=r) for r in range(reps)]
+                med = statistics.median(samples)
+                frac = size * med / (bw * 1e9) if (kind == "tg" and bw) else None
                 results.append(BenchResult(
                     model=model.name, size_mib=size / 2**20, n_params=n_params,
                     backend=f"CPU ({native.cpu_isa()})", threads=nt, test=f"{kind}{n}", n_tokens=n,
-                    tps_median=statistics.median(samples),
-                    tps_stdev=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples=samples))
+                    tps_median=med,
+                    tps_stdev=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples=samples,
+                    read_gbs=bw if kind == "tg" else None, bw_fraction=frac))
     return results
 
 
 def format_results(results: list[BenchResult], fmt: str = "md") -> str:
     if fmt == "json":
         return json.dumps([asdict(r) for r in results], indent=2)
-    head = "| model | size | params | backend | threads | test | t/s |"
-    rows = [head, "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    head = "| model | size | params | backend | threads | test | t/s | of bandwidth bound |"
+    rows = [head, "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in results:
+        bw = f"{100 * r.bw_fraction:.0f}% of {r.read_gbs:.1f} GB/s" if r.bw_fraction is not None else ""
         rows.append(f"| {r.model} | {r.size_mib:.2f} MiB | {r.n_params / 1e6:.2f} M | {r.backend} | {r.threads} "
-                    f"| {r.test} | {r.tps_median:.2f} ± {r.tps_stdev:.2f} |")
+                    f"| {r.test} | {r.tps_median:.2f} ± {r.tps_stdev:.2f} | {bw} |")
     return "\n".join(rows)
 
 

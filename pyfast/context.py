@@ -1,7 +1,15 @@
-"""A decoding context: the KV cache, the compiled plans and ``decode(batch) -> logits``.
+"""A decoding context: the model's memory, the compiled plans and ``decode(batch) -> logits``.
 
-Plans are cached by batch shape (n_tokens, visible cache cells, returned rows), so decoding
-replays a compiled plan each step instead of rebuilding a graph.
+Plans are cached by batch shape (n_tokens, visible cache cells, returned rows, and for recurrent
+models the number of sequence segments), so decoding replays a compiled plan each step instead of
+rebuilding a graph.
+
+Models with recurrent layers (``Model.memory_spec().is_recurrent``) get a ``HybridMemory``: a KV
+cache for the attention layers plus recurrent state planes with ``n_seq_max`` sequence slots and
+``n_rollback`` snapshot planes. Their batches are reordered so that each sequence's tokens are
+contiguous (logits come back in the caller's row order), a sequence's positions must continue
+from its last one, and a sequence's last ``n_rollback + 1`` tokens of a batch stay in one
+micro-batch (``algorithms.md`` §2.6).
 """
 from __future__ import annotations
 
@@ -13,8 +21,12 @@ from typing import Sequence
 import numpy as np
 
 from pyfast._loader import native
-from pyfast.memory.kv_cache import KVCache
+from pyfast.memory.hybrid import HybridMemory, SeqState, plan_ubatches
+from pyfast.memory.kv_cache import KVCache, KVCacheFull
+from pyfast.memory.recurrent import RecurrentMemory, RollbackError
 from pyfast.models import BatchShape, Model
+
+__all__ = ["Context", "RollbackError", "SeqState", "default_threads"]
 
 
 def default_threads() -> int:
@@ -26,34 +38,79 @@ def default_threads() -> int:
 
 
 class Context:
-    """Owns the memory of one or more sequences and runs batches through the model."""
+    """Owns the memory of one or more sequences and runs batches through the model.
+
+    n_seq_max:     recurrent models: sequence slots of the recurrent state (sequence ids are free,
+                   but at most this many may hold state at once). Ignored for KV-only models.
+    n_rollback:    recurrent models: snapshot planes R, the number of trailing tokens of a batch
+                   that ``truncate`` can remove without a saved state (speculation: draft_max).
+                   Needs n_ubatch >= R + 1. A KV cache truncates anywhere.
+    export_hidden: also keep the post-final-norm hidden state of every row of every batch in
+                   ``last_hidden`` (float32 [n_tokens, n_embd], caller's row order) for drafters
+                   that consume it (MTP). Off by default; costs nothing when off.
+    """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_ubatch: int = 512, kv_dtype: "native.DType" = native.DType.F16, max_plans: int = 12):
+                 n_ubatch: int = 512, kv_dtype: "native.DType" = native.DType.F16, max_plans: int = 12,
+                 n_seq_max: int = 4, n_rollback: int = 0, export_hidden: bool = False):
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         if n_ubatch < 1:
             raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        if n_seq_max < 1:
+            raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
+        if n_rollback < 0:
+            raise ValueError(f"n_rollback must be >= 0, got {n_rollback}")
+        if export_hidden and not model.supports_hidden:
+            raise ValueError(f"export_hidden: architecture {model.arch.ARCH!r} does not export hidden rows")
         self.model = model
         self.n_ctx = n_ctx
         self.n_threads = n_threads or default_threads()
         self.n_ubatch = n_ubatch
+        self.export_hidden = export_hidden
+        self.last_hidden: np.ndarray | None = None
         self.pool = native.ThreadPool(self.n_threads)
-        n_layer, n_head_kv, head_dim = model.kv_geometry()
-        self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype)
+        spec = model.memory_spec()
+        self.rec: RecurrentMemory | None = None
+        if spec.is_recurrent:
+            if n_rollback + 1 > n_ubatch:
+                raise ValueError(f"n_ubatch ({n_ubatch}) must be >= n_rollback + 1 ({n_rollback + 1}): a "
+                                 f"sequence's last n_rollback + 1 tokens of a batch must fit in one micro-batch")
+            self.kv = KVCache(len(spec.attn_layers), n_ctx, spec.n_head_kv, spec.head_dim, kv_dtype, spec.head_dim_v)
+            self.rec = RecurrentMemory(len(spec.recurrent_layers), spec.recurrent, n_seq_max, n_rollback)
+            self.memory: KVCache | HybridMemory = HybridMemory(self.kv, self.rec)
+        else:
+            n_layer, n_head_kv, head_dim = model.kv_geometry()
+            self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype)
+            self.memory = self.kv
+        self.n_seq_max, self.n_rollback = n_seq_max, n_rollback
         self._plans: OrderedDict[tuple, object] = OrderedDict()
         self.max_plans = max_plans
         self.n_plan_builds = 0
         self.t_compute = 0.0
 
+    @property
+    def is_recurrent(self) -> bool:
+        return self.rec is not None
+
+    @property
+    def rollback_limit(self) -> float:
+        """The most trailing tokens of one batch that ``truncate`` can remove without a saved
+        state: n_rollback for recurrent models, unlimited for a KV cache."""
+        return float(self.rec.n_rollback) if self.rec is not None else float("inf")
+
     # --- plans -----------------------------------------------------------------------------
     def _plan(self, shape: BatchShape):
-        key = (shape.n_tokens, shape.n_kv, shape.n_out)
+        key = (shape.n_tokens, shape.n_kv, shape.n_out) if self.rec is None else \
+            (shape.n_tokens, shape.n_kv, shape.n_out, shape.n_seg)
         plan = self._plans.get(key)
         if plan is None:
-            b = self.model.build(shape, self.kv)
+            if self.rec is None and not self.export_hidden:
+                b = self.model.build(shape, self.kv)
+            else:
+                b = self.model.build(shape, self.kv, rec=self.rec, export_hidden=self.export_hidden)
             plan = native.Plan(b.g, self.pool)
             self.n_plan_builds += 1
             self._plans[key] = plan
@@ -113,6 +170,8 @@ class Context:
 
         out = np.empty((rows.size, n_vocab), dtype=np.float32)
         toks32 = toks.astype(np.int32)
+        if self.rec is not None or self.export_hidden:
+            return self._decode_grouped(toks32, seqs, pos, rows, out)
         for u0 in range(0, T, self.n_ubatch):
             u1 = min(T, u0 + self.n_ubatch)
             sel = np.flatnonzero((rows >= u0) & (rows < u1))
@@ -133,16 +192,112 @@ class Context:
                 out[sel] = plan.output("logits", copy=False)
         return out
 
+    def _decode_grouped(self, toks: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rows: np.ndarray,
+                        out: np.ndarray) -> np.ndarray:
+        """decode() for recurrent models (and hidden export): each sequence's rows are made
+        contiguous and in position order, micro-batches keep every sequence's last n_rollback + 1
+        tokens together, and results return in the caller's row order."""
+        T = toks.size
+        uniq, first = np.unique(seqs, return_index=True)
+        rank = np.empty(T, dtype=np.int64)
+        for r, s in enumerate(uniq[np.argsort(first, kind="stable")].tolist()):
+            rank[seqs == s] = r
+        perm = np.lexsort((pos, rank))                 # grouped by sequence, positions ascending
+        p_pos = pos[perm]
+        runs: list[tuple[int, int, int, int]] = []     # (seq, start in perm order, n, first position)
+        bounds = (np.flatnonzero(np.diff(rank[perm])) + 1).tolist()
+        for a, b in zip([0] + bounds, bounds + [T]):
+            s = int(seqs[perm[a]])
+            pp = p_pos[a:b]
+            if b - a > 1 and not bool(np.all(np.diff(pp) == 1)):
+                raise ValueError(f"decode: sequence {s} has positions {pp.tolist()[:16]} in this batch; "
+                                 f"a recurrent model needs them consecutive")
+            runs.append((s, a, b - a, int(pp[0])))
+        n_keep = 1
+        if self.rec is not None:
+            self.memory.check([(s, p0, n) for s, _, n, p0 in runs])
+            if self.n_ctx - self.kv.n_used < T:
+                raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.kv.n_used} used, {T} more needed")
+            n_keep = self.rec.n_rollback + 1
+        ubatches = plan_ubatches([n for _, _, n, _ in runs], self.n_ubatch, n_keep)
+        inv = np.empty(T, dtype=np.int64)
+        inv[perm] = np.arange(T)
+        rows_p = inv[rows]                             # requested rows as indices in perm order
+        hidden = np.empty((T, self.model.args.n_embd), dtype=np.float32) if self.export_hidden else None
+        for ub in ubatches:
+            u0 = runs[ub[0][0]][1] + ub[0][1]         # a micro-batch is a contiguous range of perm
+            Tu = sum(n for _, _, n in ub)
+            idx = perm[u0: u0 + Tu]
+            sel = np.flatnonzero((rows_p >= u0) & (rows_p < u0 + Tu))
+            n_out = max(1, sel.size)
+            out_ids = (rows_p[sel] - u0).astype(np.int32) if sel.size else np.zeros(1, dtype=np.int32)
+            u_seq, u_pos = seqs[idx], pos[idx]
+            if self.rec is not None:
+                segs, t0 = [], 0
+                for i, off, n in ub:
+                    segs.append((runs[i][0], t0, n, runs[i][3] + off))
+                    t0 += n
+                slots, seg_rows = self.memory.prepare(u_seq, u_pos, segs)
+                shape = BatchShape(Tu, slots.n_kv, n_out, len(segs))
+            else:
+                slots, seg_rows = self.kv.prepare(u_seq, u_pos), None
+                shape = BatchShape(Tu, slots.n_kv, n_out)
+            plan = self._plan(shape)
+            plan.set_input("tokens", toks[idx])
+            plan.set_input("pos", u_pos)
+            plan.set_input("out_ids", out_ids)
+            plan.set_input("kv_idx", slots.idx)
+            plan.set_input("mask", slots.mask)
+            plan.set_input("kv_order", slots.order)
+            if seg_rows is not None:
+                plan.set_input("seqs", seg_rows)
+            t0 = time.perf_counter()
+            plan.run()
+            self.t_compute += time.perf_counter() - t0
+            if sel.size:
+                out[sel] = plan.output("logits", copy=False)
+            if hidden is not None:
+                hidden[idx] = plan.output("hidden", copy=False)
+        if hidden is not None:
+            self.last_hidden = hidden
+        return out
+
     # --- memory ----------------------------------------------------------------------------
     def truncate(self, seq: int, p: int) -> None:
-        """Remove positions >= p of sequence `seq`."""
-        self.kv.truncate(seq, p)
+        """Remove positions >= p of sequence `seq`. Recurrent models raise RollbackError (and
+        change nothing) when the state cannot go back that far (see can_rollback)."""
+        self.memory.truncate(seq, p)
+
+    def can_rollback(self, seq: int) -> int:
+        """How many trailing tokens of `seq` truncate can remove right now (all of them for a KV
+        cache). Removing the whole sequence (truncate(seq, 0)) always works."""
+        if self.rec is None:
+            return self.kv.seq_len(seq)
+        return self.memory.can_rollback(seq)
+
+    def save_state(self, seq: int, kv: bool = True) -> SeqState:
+        """A host copy of sequence `seq` (its KV rows unless kv=False, and its recurrent state),
+        for restore_state of this context or another one of the same model."""
+        if self.rec is None:
+            return SeqState(seq=seq, n_tokens=self.kv.seq_len(seq), kv=self.kv.save_seq(seq) if kv else None,
+                            rec=None)
+        return self.memory.save_state(seq, kv=kv)
+
+    def restore_state(self, seq: int, state: SeqState) -> None:
+        """Make `seq` hold a saved state; other sequences are untouched."""
+        if self.rec is None:
+            if state.kv is not None:
+                self.kv.restore_seq(seq, state.kv)
+            else:
+                self.kv.truncate(seq, state.n_tokens)
+            return
+        self.memory.restore_state(seq, state)
 
     def remove_seq(self, seq: int) -> None:
-        self.kv.remove_seq(seq)
+        self.memory.remove_seq(seq)
 
     def clear(self) -> None:
-        self.kv.clear()
+        self.memory.clear()
 
     def seq_len(self, seq: int = 0) -> int:
-        return self.kv.seq_len(seq)
+        return self.memory.seq_len(seq)

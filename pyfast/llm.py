@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from pyfast.context import Context
+from pyfast.context import Context, RollbackError, default_threads
 from pyfast.models import Model
 from pyfast.sampling import Sampler, SamplingParams
 from pyfast.spec.config import SpecConfig
@@ -69,11 +69,14 @@ class LLM:
     speculative: a ``SpecConfig`` turns on speculative decoding for every generate call (pass
     ``speculative=False`` to a call to decode plainly). Its settings and draft model are checked
     here, before any decoding.
+    n_seq_max: models with recurrent layers (Qwen3.5, Qwen3-Next): how many sequences may hold
+    recurrent state at once (generate_batch prompts, plus one for adaptive speculation's cost
+    calibration). With speculation their memory keeps draft_max snapshot planes for rollback.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096,
                  n_threads: int | None = None, n_ubatch: int = 512, verbose: bool = False,
-                 speculative: SpecConfig | None = None):
+                 speculative: SpecConfig | None = None, n_seq_max: int = 4):
         from pyfast.chat import ChatTemplate
         from pyfast.hub import resolve_model
         from pyfast.tokenizer import Tokenizer
@@ -83,18 +86,28 @@ class LLM:
         self.model = Model(path)
         self.tokenizer = Tokenizer.from_gguf_metadata(self.model.metadata)
         self.chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=n_ubatch)
+        props = None
+        if speculative is not None:
+            from pyfast.spec.config import make_proposers
+
+            if not isinstance(speculative, SpecConfig):
+                raise ValueError(f"speculative must be a SpecConfig, got {type(speculative).__name__}")
+            props = make_proposers(speculative, self.model, n_ctx=n_ctx, n_threads=n_threads or default_threads())
+        # recurrent memory rolls a rejected draft back through snapshot planes, one per draft token
+        n_rollback = max((speculative.n_max_for(p) for p in props), default=0) \
+            if props and self.model.is_recurrent else 0
+        # draft-mtp reads the target's hidden rows: export them only when a proposer needs them
+        from pyfast.spec.config import needs_hidden
+
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=max(n_ubatch, n_rollback + 1),
+                           n_seq_max=n_seq_max, n_rollback=n_rollback, export_hidden=needs_hidden(props))
         self._cached: list[int] = []  # tokens of sequence 0 currently in the cache
         self.speculative = speculative
         self._spec = None        # SpecDecoder with the configured proposers
         self._multi = None       # SpecDecoder without proposers (plain generate_batch)
-        if speculative is not None:
-            from pyfast.spec.config import make_proposers
+        if props is not None:
             from pyfast.spec.decoder import SpecDecoder
 
-            if not isinstance(speculative, SpecConfig):
-                raise ValueError(f"speculative must be a SpecConfig, got {type(speculative).__name__}")
-            props = make_proposers(speculative, self.model, n_ctx=n_ctx, n_threads=self.ctx.n_threads)
             self._spec = SpecDecoder(self.ctx, props, speculative)
 
     # --- basics ----------------------------------------------------------------------------
@@ -140,6 +153,7 @@ class LLM:
                  min_p: float | None = None, repeat_penalty: float | None = None,
                  frequency_penalty: float | None = None, presence_penalty: float | None = None,
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 logit_bias: dict[int, float] | None = None,
                  params: SamplingParams | None = None, add_bos: bool | None = None, special: bool = True,
                  ignore_eos: bool = False, stream: bool = False, speculative: bool | None = None):
         """Complete a raw prompt (text or token ids).
@@ -152,7 +166,7 @@ class LLM:
         """
         sp = _sampling_params(params, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                              presence_penalty=presence_penalty, seed=seed)
+                              presence_penalty=presence_penalty, seed=seed, logit_bias=logit_bias)
         if isinstance(prompt, str):
             ptoks = self.tokenize(prompt, add_bos=add_bos, special=special)
         else:
@@ -213,6 +227,11 @@ class LLM:
                              f"generated token each do not fit in the context ({self.n_ctx}); raise n_ctx")
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         dec = self._use_spec(speculative)
+        if self.ctx.is_recurrent:  # adaptive speculation calibrates on one more (scratch) sequence
+            need = len(ptoks_all) + (1 if dec is not None and dec.adaptive is not None else 0)
+            if need > self.ctx.n_seq_max:
+                raise ValueError(f"generate_batch: {len(ptoks_all)} prompts need {need} sequence slots but this "
+                                 f"recurrent model's context has {self.ctx.n_seq_max}; raise LLM(n_seq_max=...)")
         if dec is None:
             if self._multi is None:
                 self._multi = SpecDecoder(self.ctx)
@@ -296,7 +315,11 @@ class LLM:
                 break
             n_keep += 1
         n_keep = min(n_keep, len(ptoks) - 1)  # always decode at least one token for logits
-        self.ctx.truncate(0, n_keep)
+        try:
+            self.ctx.truncate(0, n_keep)
+        except RollbackError:  # recurrent state cannot go back there: decode the prompt afresh
+            self.ctx.remove_seq(0)
+            n_keep = 0
         self._cached = ptoks[:n_keep]
         t0 = time.perf_counter()
         logits = self.ctx.decode(ptoks[n_keep:], positions=range(n_keep, len(ptoks)), seq_ids=0)[-1]
@@ -375,7 +398,7 @@ class LLM:
             # A round may have accepted tokens past the stop: keep the cache to what was emitted.
             keep = min(self.ctx.seq_len(0), len(history))
             spec.release(slot, n_keep=keep)
-            self._cached = history[:keep]
+            self._cached = history[: min(keep, self.ctx.seq_len(0))]
         else:
             # The last sampled token is not in the cache; keep _cached in sync with the KV cache.
             self._cached = self._cached[: self.ctx.seq_len(0)]

@@ -3,15 +3,18 @@
 // K-quants need K % 256 == 0; a shape whose K does not fit a type's block is skipped), 1 and 2
 // threads.
 //
-//   bench_matmul [--isa scalar|avx2|avx512] [--threads 1,2] [--cold] [--min-time 0.3]
+//   bench_matmul [--isa scalar|avx2|avx512|neon] [--threads 1,2] [--cold] [--min-time 0.3]
 //                [--dtypes Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32] [--m 1,512]
-//                [--no-avxvnni]
+//                [--no-avxvnni] [--no-dotprod]
 //
 // Calls are timed in batches inside one ThreadPool::run with a barrier after each call (as a
 // plan replays ops), so thread wake-up cost is not counted per call.
 // "hot": one weight matrix, reused every call (L2/L3 resident when it fits).
 // --cold: additionally cycles through enough copies of the weight (>= 512 MiB) that every call
-//         streams it from DRAM, like generation over a whole model.
+//         streams it from DRAM, like generation over a whole model (every M: small M are
+//         speculative-decoding verify batches).
+// For several-row decodes use e.g. --m 1,2,4,8,16,17; the us/call of M rows over that of M = 1
+// is what a verify batch costs relative to a plain decode step.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -80,7 +83,8 @@ int main(int argc, char** argv) {
     const char* v = i + 1 < argc ? argv[i + 1] : "";
     if (a == "--isa") {
       const std::string s = v;
-      isa = s == "scalar" ? CpuIsa::scalar : s == "avx2" ? CpuIsa::avx2 : s == "avx512" ? CpuIsa::avx512 : isa;
+      isa = s == "scalar" ? CpuIsa::scalar : s == "avx2" ? CpuIsa::avx2 : s == "avx512" ? CpuIsa::avx512
+          : s == "neon" ? CpuIsa::neon : isa;
       ++i;
     } else if (a == "--threads") {
       threads.clear();
@@ -101,17 +105,20 @@ int main(int argc, char** argv) {
       cold = true;
     } else if (a == "--no-avxvnni") {
       mm::avx2_use_vnni(false);  // avx2 path: plain maddubs instead of AVX-VNNI
+    } else if (a == "--no-dotprod") {
+      mm::neon_use_dotprod(false);  // neon path: vmull_s8 / vpadalq_s16 instead of sdot
     } else if (a == "--min-time") {
       min_time = std::atof(v);
       ++i;
     } else {
-      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--min-time s] [--no-avxvnni]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--min-time s] [--no-avxvnni] [--no-dotprod]\n", argv[0]);
       return 2;
     }
   }
   set_cpu_isa(isa);  // throws if unavailable
   std::printf("isa=%s%s  (GB/s = weight bytes / time; GFLOP/s = 2*M*N*K / time; best of runs >= %.2fs)\n",
-              cpu_isa_name(isa), isa == CpuIsa::avx2 ? (mm::avx2_uses_vnni() ? "+avxvnni" : " (no avxvnni)") : "",
+              cpu_isa_name(isa), isa == CpuIsa::avx2 ? (mm::avx2_uses_vnni() ? "+avxvnni" : " (no avxvnni)")
+                                 : isa == CpuIsa::neon ? (mm::neon_uses_dotprod() ? "+dotprod" : " (no dotprod)") : "",
               min_time);
   std::printf("%-5s %-22s %5s %3s %6s %10s %9s %9s\n", "dtype", "shape (K->N)", "M", "thr", "mode", "us/call", "GB/s", "GFLOP/s");
 
@@ -167,7 +174,7 @@ int main(int argc, char** argv) {
           const Node* src[2] = {&xn, &wn};
           const size_t ws = cpu_matmul_work_size(yn, src, nth);
           AlignedBuf wd(ws + 64);
-          for (int mode = 0; mode < (cold && M == 1 ? 2 : 1); ++mode) {
+          for (int mode = 0; mode < (cold ? 2 : 1); ++mode) {
             // One pool.run executes `inner` back-to-back calls separated by barriers, as a plan
             // replays its ops; the per-call time is the run's time / inner.
             auto batch = [&](int inner, int first_copy) {

@@ -4,11 +4,17 @@
 //                                 stdout (T = Q4_0|Q4_1|Q8_0|Q8_1|F16|BF16; used to cross-check
 //                                 against gguf.quants on large random data)
 //   test_quant_kernels decode T   the inverse: bytes of type T on stdin -> f32 on stdout
+//   test_quant_kernels sweep      only the activation quantizer and SIMD-vs-scalar sweep checks
+//                                 (quick; used by tests/ops/test_neon_cross.py under qemu)
 //
 // Matmul checks, for every weight dtype and every ISA this machine has:
 //   * scalar reference vs a double-precision evaluation of the same quantized math;
 //   * SIMD vs scalar: bit-identical for quantized weights (all ISAs) and for float weights with
-//     avx512 (same 16-lane order); avx2 float within tolerance;
+//     avx512 / neon (same 16-lane order); avx2 float within tolerance;
+//   * a sweep of shapes (M = 1..17 and larger, odd N, K with unaligned tails for float weights),
+//     every SIMD variant (avx2 with / without AVX-VNNI, neon with / without dotprod) bit-identical
+//     to scalar (quantized; float with 16 lanes); the activation quantizer on edge data (inf, NaN,
+//     huge, tiny) for neon; matmul_id (the MoE driver) on neon vs scalar;
 //   * batch invariance: row m computed with M = 1, inside sub-batches at other offsets, and with
 //     2, 3, 4 threads is bit-identical to the full single-thread result;
 //   * strided / 4-D activations equal the contiguous 2-D result.
@@ -398,7 +404,7 @@ static void test_matmul_case(DType wt, int64_t M, int64_t N, int64_t K, std::mt1
     const char* in = cpu_isa_name(isa);
     const std::vector<float> y1 = run_mm(isa, 1, xm.node, wm.node, M, N);
     // vs scalar
-    if (quant || isa == CpuIsa::avx512 || isa == CpuIsa::scalar) {
+    if (quant || isa == CpuIsa::avx512 || isa == CpuIsa::neon || isa == CpuIsa::scalar) {
       size_t at = 0;
       const bool eq = same_bits(y1.data(), ys.data(), ys.size(), &at);
       CHECK(eq, "%s %s != scalar bitwise at %zu: %.9g vs %.9g", tag, in, at, y1[at], ys[at]);
@@ -492,7 +498,7 @@ static void test_act_quant(const std::vector<CpuIsa>& isas, std::mt19937& rng) {
   mm::quant_act_scalar(x.data(), q0.data(), d0.data(), s0.data(), f0.data(), h0.data(), nb);
   for (CpuIsa isa : isas) {
     if (isa == CpuIsa::scalar) continue;
-    auto fn = isa == CpuIsa::avx512 ? mm::quant_act_avx512 : mm::quant_act_avx2;
+    auto fn = isa == CpuIsa::avx512 ? mm::quant_act_avx512 : isa == CpuIsa::neon ? mm::quant_act_neon : mm::quant_act_avx2;
     fn(x.data(), q1.data(), d1.data(), s1.data(), f1.data(), h1.data(), nb);
     bool eq = std::memcmp(q0.data(), q1.data(), q0.size()) == 0;
     for (int64_t b = 0; b < nb; ++b)
@@ -500,6 +506,214 @@ static void test_act_quant(const std::vector<CpuIsa>& isas, std::mt19937& rng) {
            h0[b * 4] == h1[b * 4];
     CHECK(eq, "activation quantizer %s != scalar", cpu_isa_name(isa));
   }
+  // neon also matches the scalar quantizer on non-finite and extreme inputs (scalar: NaN never
+  // enters amax; NaN / out-of-range products convert to INT32_MIN and clamp to -127).
+  for (CpuIsa isa : isas) {
+    if (isa != CpuIsa::neon) continue;
+    const int64_t ne = 64;
+    std::vector<float> e((size_t)ne * 32);
+    std::uniform_int_distribution<int> pick(0, 11);
+    for (int64_t b = 0; b < ne; ++b) {
+      const float scale = std::ldexp(1.0f, (int)(b % 40) * 7 - 140);  // 2^-140 .. 2^133
+      for (int j = 0; j < 32; ++j) {
+        float v = nd(rng) * scale;
+        switch (b % 8 == 0 ? pick(rng) : 11) {
+          case 0: v = NAN; break;
+          case 1: v = -NAN; break;
+          case 2: v = INFINITY; break;
+          case 3: v = -INFINITY; break;
+          case 4: v = from_bits(0x7F800001u); break;  // signaling NaN
+          case 5: v = 3.4e38f; break;
+          case 6: v = -0.0f; break;
+          case 7: v = 1e-45f; break;
+          default: break;
+        }
+        e[(size_t)(b * 32 + j)] = v;
+      }
+    }
+    for (int j = 0; j < 32; ++j) e[(size_t)j] = NAN;                    // all-NaN block
+    for (int j = 0; j < 32; ++j) e[(size_t)(32 + j)] = j % 2 ? NAN : 2.0f;  // half NaN
+    std::vector<int8_t> qa(e.size()), qb(e.size());
+    std::vector<float> da(ne * 4), db(ne * 4), fa(ne * 4), fb(ne * 4);
+    std::vector<int32_t> sa(ne * 4), sb(ne * 4), ha(ne * 4), hb(ne * 4);
+    mm::quant_act_scalar(e.data(), qa.data(), da.data(), sa.data(), fa.data(), ha.data(), ne);
+    mm::quant_act_neon(e.data(), qb.data(), db.data(), sb.data(), fb.data(), hb.data(), ne);
+    bool eq = std::memcmp(qa.data(), qb.data(), qa.size()) == 0;
+    for (int64_t b = 0; b < ne; ++b)
+      eq = eq && bits(da[b * 4]) == bits(db[b * 4]) && sa[b * 4] == sb[b * 4] && bits(fa[b * 4]) == bits(fb[b * 4]) &&
+           ha[b * 4] == hb[b * 4];
+    CHECK(eq, "activation quantizer neon != scalar on extreme inputs");
+  }
+}
+
+// SIMD variants: an ISA plus, for avx2 / neon, whether the optional dot instruction (AVX-VNNI /
+// dotprod) is used.
+struct Variant {
+  CpuIsa isa;
+  bool dot;
+  const char* name;
+};
+
+static std::vector<Variant> simd_variants(const std::vector<CpuIsa>& isas) {
+  std::vector<Variant> v;
+  for (CpuIsa isa : isas) {
+    if (isa == CpuIsa::avx2) {
+      if (cpu_features().avxvnni) v.push_back({isa, true, "avx2+vnni"});
+      v.push_back({isa, false, "avx2"});
+    } else if (isa == CpuIsa::neon) {
+      if (cpu_features().dotprod) v.push_back({isa, true, "neon+dotprod"});
+      v.push_back({isa, false, "neon"});
+    } else if (isa == CpuIsa::avx512) {
+      v.push_back({isa, true, "avx512"});
+    }
+  }
+  return v;
+}
+
+static void use_variant(const Variant& v) {
+  mm::avx2_use_vnni(v.isa == CpuIsa::avx2 ? v.dot : true);
+  mm::neon_use_dotprod(v.isa == CpuIsa::neon ? v.dot : true);
+}
+
+// Shape sweep: every SIMD variant vs scalar, bit for bit (quantized weights; float weights for the
+// 16-lane ISAs). Counts the compared elements per variant.
+static void test_simd_sweep(const std::vector<CpuIsa>& isas, std::mt19937& rng, ThreadPool* pool3) {
+  const std::vector<Variant> vars = simd_variants(isas);
+  if (vars.empty()) return;
+  std::vector<long long> cases(vars.size(), 0), elems(vars.size(), 0);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
+                         DType::Q5_K, DType::Q6_K, DType::F32, DType::F16, DType::BF16};
+  std::vector<int64_t> Ms;
+  for (int64_t m = 1; m <= 17; ++m) Ms.push_back(m);
+  for (int64_t m : {31, 64, 65, 130}) Ms.push_back(m);
+  for (DType wt : types) {
+    const bool quant = dtype_is_quantized(wt);
+    std::vector<int64_t> Ks = {32, 160, 544};
+    if (dtype_block_size(wt) == 256) Ks = {256, 768};
+    if (!quant) Ks = {1, 15, 16, 17, 100, 257};
+    for (int64_t K : Ks)
+      for (int64_t N : {5, 19, 37}) {
+        std::vector<float> wf((size_t)(N * K));
+        for (float& v : wf) v = nd(rng) * 0.4f + 0.05f;
+        Mat wm = make_w(wt, wf, N, K, wt == DType::F32 ? 4 : 3);  // odd row stride: unaligned rows
+        for (int64_t M : Ms) {
+          if (M > 17 && N != 37) continue;
+          std::vector<float> x((size_t)(M * K));
+          for (float& v : x) v = nd(rng) * (1.0f + (float)(M % 5));
+          for (int64_t r = 0; r < M; r += 3)
+            if (K >= 64) for (int64_t k = 32; k < 64; ++k) x[(size_t)(r * K + k)] = 0.0f;  // zero blocks
+          Mat xm = make_x(x, M, K, 0, M % 3);
+          const std::vector<float> ys = run_mm(CpuIsa::scalar, 1, xm.node, wm.node, M, N);
+          for (size_t vi = 0; vi < vars.size(); ++vi) {
+            const Variant& v = vars[vi];
+            if (!quant && v.isa == CpuIsa::avx2) continue;  // 8 lanes: not bit-identical by design
+            use_variant(v);
+            const bool threads = M >= 31;
+            const std::vector<float> y = threads ? run_mm(v.isa, 3, xm.node, wm.node, M, N, pool3)
+                                                 : run_mm(v.isa, 1, xm.node, wm.node, M, N);
+            size_t at = 0;
+            const bool eq = same_bits(y.data(), ys.data(), ys.size(), &at);
+            CHECK(eq, "sweep %s %s M=%lld N=%lld K=%lld: != scalar at %zu: %.9g vs %.9g", v.name, tname(wt),
+                  (long long)M, (long long)N, (long long)K, at, y[at], ys[at]);
+            ++cases[vi];
+            elems[vi] += (long long)ys.size();
+          }
+        }
+      }
+  }
+  use_variant({CpuIsa::scalar, true, ""});
+  for (size_t vi = 0; vi < vars.size(); ++vi)
+    std::printf("sweep %-13s: %lld matmuls, %lld outputs compared bit-exactly with scalar\n", vars[vi].name, cases[vi],
+                elems[vi]);
+}
+
+// matmul_id (moe.cpp, the same kernels through the MoE driver): every neon variant equals the
+// scalar path bit for bit (x86 SIMD MoE is covered by tests/ops/test_moe.py).
+namespace pyfast {
+size_t cpu_moe_work_size(const Node& dst, const Node* const* src, int nth);  // kernels/moe.cpp
+}
+
+static std::vector<float> run_moe(CpuIsa isa, int nth, const Node& x, const Node& w, const Node& ids, int64_t T,
+                                  int64_t k, int64_t N, ThreadPool* pool) {
+  Mat d;
+  d.buf.assign((size_t)(T * k * N * 4 + 64), 0xCD);
+  d.node.op = Op::matmul_id;
+  d.node.dtype = DType::F32;
+  d.node.shape.ndim = 3;
+  d.node.shape.dims = {T, k, N, 0};
+  d.node.shape.strides = {k * N * 4, N * 4, 4, 0};
+  d.node.data = d.buf.data();
+  const Node* src[3] = {&x, &w, &ids};
+  const size_t ws = cpu_moe_work_size(d.node, src, nth);
+  std::vector<uint8_t> wdata(ws + 64);
+  auto body = [&](int ith, int n) {
+    ComputeParams p;
+    p.ith = ith;
+    p.nth = n;
+    p.wdata = wdata.data();
+    p.wsize = ws;
+    p.pool = n > 1 ? pool : nullptr;
+    p.isa = isa;
+    cpu_matmul_id(p, d.node, src);
+  };
+  if (nth == 1) body(0, 1);
+  else pool->run([&](int ith) { body(ith, pool->size()); });
+  std::vector<float> out((size_t)(T * k * N));
+  std::memcpy(out.data(), d.buf.data(), out.size() * 4);
+  return out;
+}
+
+static void test_moe_neon(const std::vector<CpuIsa>& isas, std::mt19937& rng, ThreadPool* pool3) {
+  std::vector<Variant> vars;
+  for (const Variant& v : simd_variants(isas))
+    if (v.isa == CpuIsa::neon) vars.push_back(v);
+  if (vars.empty()) return;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  long long compared = 0;
+  const DType types[] = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
+                         DType::Q5_K, DType::Q6_K, DType::F32, DType::F16, DType::BF16};
+  for (DType wt : types) {
+    const int64_t E = 5, N = 21, K = dtype_block_size(wt) == 256 ? 512 : dtype_is_quantized(wt) ? 96 : 45;
+    std::vector<float> wf((size_t)(E * N * K));
+    for (float& v : wf) v = nd(rng) * 0.3f;
+    Mat wm = make_w(wt, wf, E * N, K);
+    wm.node.shape.ndim = 3;
+    wm.node.shape.dims = {E, N, K, 0};
+    const int64_t rb = wm.node.shape.strides[0];
+    wm.node.shape.strides = {N * rb, rb, wt == DType::F32 ? 4 : 2, 0};
+    for (int64_t T : {1, 6, 13, 40}) {
+      const int64_t k = 2;
+      std::vector<float> x((size_t)(T * K));
+      for (float& v : x) v = nd(rng);
+      Mat xm = make_x(x, T, K);
+      std::vector<int32_t> id((size_t)(T * k));
+      std::uniform_int_distribution<int> pick(0, (int)E - 1);
+      for (int64_t t = 0; t < T; ++t) {
+        id[(size_t)(t * k)] = pick(rng);
+        do id[(size_t)(t * k + 1)] = pick(rng); while (id[(size_t)(t * k + 1)] == id[(size_t)(t * k)]);
+      }
+      Node idn;
+      idn.dtype = DType::I32;
+      idn.shape.ndim = 2;
+      idn.shape.dims = {T, k, 0, 0};
+      idn.shape.strides = {k * 4, 4, 0, 0};
+      idn.data = reinterpret_cast<uint8_t*>(id.data());
+      const std::vector<float> ys = run_moe(CpuIsa::scalar, 1, xm.node, wm.node, idn, T, k, N, nullptr);
+      for (const Variant& v : vars) {
+        use_variant(v);
+        for (int nth : {1, 3}) {
+          const std::vector<float> y = run_moe(v.isa, nth, xm.node, wm.node, idn, T, k, N, pool3);
+          size_t at = 0;
+          CHECK(same_bits(y.data(), ys.data(), ys.size(), &at), "matmul_id %s %s T=%lld nth=%d != scalar at %zu", v.name,
+                tname(wt), (long long)T, nth, at);
+          compared += (long long)ys.size();
+        }
+      }
+    }
+  }
+  use_variant({CpuIsa::scalar, true, ""});
+  std::printf("matmul_id neon: %lld outputs compared bit-exactly with scalar\n", compared);
 }
 
 static int codec_main(const char* t, bool decode) {
@@ -542,8 +756,18 @@ int main(int argc, char** argv) {
     if (isa_ok(i)) isas.push_back(i);
   std::printf("ISAs:");
   for (CpuIsa i : isas) std::printf(" %s", cpu_isa_name(i));
-  std::printf(" (avxvnni=%d)\n", (int)cpu_features().avxvnni);
+  std::printf(" (avxvnni=%d dotprod=%d)\n", (int)cpu_features().avxvnni, (int)cpu_features().dotprod);
 
+  if (argc == 2 && std::string(argv[1]) == "sweep") {
+    std::mt19937 rng(4242);
+    test_isa_api();
+    test_act_quant(isas, rng);
+    ThreadPool pool3(3);
+    test_simd_sweep(isas, rng, &pool3);
+    test_moe_neon(isas, rng, &pool3);
+    std::printf("%d checks, %d failures\n", g_checks, g_fail);
+    return g_fail ? 1 : 0;
+  }
   test_isa_api();
   test_fp16();
   test_codecs();
@@ -556,11 +780,19 @@ int main(int argc, char** argv) {
                          DType::Q5_K, DType::Q6_K, DType::F32, DType::F16, DType::BF16};
   for (DType wt : types) {
     const int before = g_fail;
-    // With AVX-VNNI present, run the avx2 cases twice: VNNI and plain maddubs.
-    for (int pass = 0; pass < (cpu_features().avxvnni && isa_ok(CpuIsa::avx2) ? 2 : 1); ++pass) {
+    // With AVX-VNNI present, run the avx2 cases twice: VNNI and plain maddubs; likewise neon with
+    // and without dotprod (sdot vs vmull_s8 / vpadalq_s16).
+    const bool vnni2 = cpu_features().avxvnni && isa_ok(CpuIsa::avx2);
+    const bool dot2 = cpu_features().dotprod && isa_ok(CpuIsa::neon);
+    for (int pass = 0; pass < (vnni2 || dot2 ? 2 : 1); ++pass) {
     mm::avx2_use_vnni(pass == 0);
+    mm::neon_use_dotprod(pass == 0);
     std::vector<CpuIsa> run_isas = isas;
-    if (pass == 1) run_isas = {CpuIsa::avx2};
+    if (pass == 1) {
+      run_isas.clear();
+      if (vnni2) run_isas.push_back(CpuIsa::avx2);
+      if (dot2) run_isas.push_back(CpuIsa::neon);
+    }
     std::vector<int64_t> Ks = {32, 96, 576};
     if (dtype_block_size(wt) == 256) Ks = {256, 512, 1536};
     if (wt == DType::F32 || wt == DType::F16 || wt == DType::BF16) {
@@ -573,7 +805,14 @@ int main(int argc, char** argv) {
     for (CpuIsa isa : run_isas) test_strided(wt, isa, rng);
     }
     mm::avx2_use_vnni(true);
+    mm::neon_use_dotprod(true);
     std::printf("matmul %-5s: %s\n", tname(wt), g_fail == before ? "ok" : "FAILED");
+  }
+  {
+    const int before = g_fail;
+    test_simd_sweep(isas, rng, pools[3]);
+    test_moe_neon(isas, rng, pools[3]);
+    std::printf("simd sweep  : %s\n", g_fail == before ? "ok" : "FAILED");
   }
   for (ThreadPool* p : pools) delete p;
   std::printf("%d checks, %d failures\n", g_checks, g_fail);

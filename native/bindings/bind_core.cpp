@@ -1,4 +1,7 @@
 // dtypes, CPU features and ISA selection, host buffers, thread pools, row codecs.
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#endif
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
@@ -16,16 +19,46 @@ using namespace pyfast;
 namespace pyfast_py {
 
 // Host memory owned by Python objects (KV caches, recurrent states); 64-byte aligned, zeroed.
+// Zeroed, 64-byte aligned host memory. Large buffers come from an anonymous mapping, whose pages
+// the kernel zero-fills on first touch: a KV cache sized for a long context costs resident
+// memory only for the cells actually written.
 struct HostBuffer {
+  static constexpr size_t kMapThreshold = size_t(1) << 20;
   explicit HostBuffer(size_t n) : nbytes(n) {
+    const size_t alloc = n ? n : 64;
+#if defined(__unix__) || defined(__APPLE__)
+    if (alloc >= kMapThreshold) {
+      void* p = mmap(nullptr, alloc, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw std::bad_alloc();
+      data = static_cast<uint8_t*>(p);
+      mapped = true;
+      return;
+    }
+#endif
     void* p = nullptr;
-    if (posix_memalign(&p, 64, n ? n : 64) != 0) throw std::bad_alloc();
-    std::memset(p, 0, n ? n : 64);
+    if (posix_memalign(&p, 64, alloc) != 0) throw std::bad_alloc();
+    std::memset(p, 0, alloc);
     data = static_cast<uint8_t*>(p);
   }
-  ~HostBuffer() { std::free(data); }
+  ~HostBuffer() {
+#if defined(__unix__) || defined(__APPLE__)
+    if (mapped) {
+      munmap(data, nbytes ? nbytes : 64);
+      return;
+    }
+#endif
+    std::free(data);
+  }
+  void zero() {
+#if defined(__linux__)
+    // Dropping the pages zero-fills them on next touch and returns the memory.
+    if (mapped && madvise(data, nbytes, MADV_DONTNEED) == 0) return;
+#endif
+    std::memset(data, 0, nbytes);
+  }
   uint8_t* data = nullptr;
   size_t nbytes = 0;
+  bool mapped = false;
 };
 
 static CpuIsa isa_from_str(const std::string& s) {
@@ -51,6 +84,27 @@ void bind_core(py::module_& m) {
   m.def("dtype_type_size", [](DType t) { return dtype_type_size(t); }, "Bytes per block.");
   m.def("dtype_row_size", [](DType t, int64_t n) { return dtype_row_size(t, n); }, "Bytes of a row of n elements.");
 
+  m.def("topk_row", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, int64_t k) {
+    if (x.ndim() != 1) throw std::invalid_argument("topk_row: x must be 1-D");
+    if (k < 1) throw std::invalid_argument("topk_row: k must be >= 1");
+    const int64_t n = x.shape(0);
+    py::array_t<int32_t> out(std::min(k, n));
+    const float* px = x.data();
+    int32_t* po = out.mutable_data();
+    {
+      py::gil_scoped_release rel;
+      cpu_topk_row(px, n, k, po);
+    }
+    return out;
+  }, py::arg("x"), py::arg("k"),
+     "Indices of the k largest values of a float32 row, largest first (ties: lower index first; NaN as -inf).");
+  m.def("read_bandwidth", [](size_t nbytes, int n_threads, int reps) {
+    std::shared_ptr<ThreadPool> pool;
+    if (n_threads > 1) pool = std::make_shared<ThreadPool>(n_threads);
+    py::gil_scoped_release rel;
+    return cpu_read_bandwidth(nbytes, pool.get(), reps);
+  }, py::arg("nbytes") = size_t(512) << 20, py::arg("n_threads") = 1, py::arg("reps") = 3,
+     "Measured memory read bandwidth in bytes/s (best of reps passes over nbytes).");
   m.def("cpu_features", [] {
     const CpuFeatures& f = cpu_features();
     py::dict d;
@@ -68,7 +122,7 @@ void bind_core(py::module_& m) {
                                                      "Zeroed, 64-byte aligned host memory (KV caches, states).")
       .def(py::init<size_t>(), py::arg("nbytes"))
       .def_readonly("nbytes", &HostBuffer::nbytes)
-      .def("zero", [](HostBuffer& b) { std::memset(b.data, 0, b.nbytes); })
+      .def("zero", &HostBuffer::zero)
       .def("copy_from", [](HostBuffer& b, const HostBuffer& o, size_t dst_off, size_t src_off, size_t n) {
         if (dst_off + n > b.nbytes || src_off + n > o.nbytes) throw std::out_of_range("Buffer.copy_from: range out of bounds");
         std::memmove(b.data + dst_off, o.data + src_off, n);

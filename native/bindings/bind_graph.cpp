@@ -144,6 +144,35 @@ void bind_graph(py::module_& m) {
       .def("cpy", [](G g, const Tensor& a, DType t) { return rec(g, [&](Graph& gr) { return gr.cpy(tid(*g, a), t); }); },
            py::arg("a"), py::arg("dtype") = DType::F32)
       .def("argmax", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.argmax(tid(*g, a)); }); })
+      .def("sigmoid", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.sigmoid(tid(*g, a)); }); })
+      .def("softplus", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.softplus(tid(*g, a)); }); })
+      .def("l2_norm", [](G g, const Tensor& a, float eps) { return rec(g, [&](Graph& gr) { return gr.l2_norm(tid(*g, a), eps); }); },
+           py::arg("a"), py::arg("eps") = 1e-6f, "a / sqrt(sum(a^2, -1) + eps)")
+      .def("concat", [](G g, const Tensor& a, const Tensor& b, int axis) {
+        return rec(g, [&](Graph& gr) { return gr.concat(tid(*g, a), tid(*g, b), axis); });
+      }, py::arg("a"), py::arg("b"), py::arg("axis") = -1)
+      .def("sum", [](G g, const Tensor& a, int axis) { return rec(g, [&](Graph& gr) { return gr.sum(tid(*g, a), axis); }); },
+           py::arg("a"), py::arg("axis") = -1, "Sum over `axis`, which is removed.")
+      .def("topk", [](G g, const Tensor& a, int k) { return rec(g, [&](Graph& gr) { return gr.topk(tid(*g, a), k); }); },
+           py::arg("a"), py::arg("k"), "Indices (i32) of the k largest values along the last dim, largest first.")
+      .def("gather", [](G g, const Tensor& a, const Tensor& ids) { return rec(g, [&](Graph& gr) { return gr.gather(tid(*g, a), tid(*g, ids)); }); },
+           py::arg("a"), py::arg("ids"), "a[..., ids] along the last dim (numpy take_along_axis).")
+      .def("matmul_id", [](G g, const Tensor& x, const Tensor& w, const Tensor& ids) {
+        return rec(g, [&](Graph& gr) { return gr.matmul_id(tid(*g, x), tid(*g, w), tid(*g, ids)); });
+      }, py::arg("x"), py::arg("w"), py::arg("ids"), "x[T, (k,) K] @ w[ids[t, j]].T -> [T, k, N]")
+      .def("ssm_conv", [](G g, const Tensor& x, const Tensor& w, const Tensor& state, const Tensor& seqs) {
+        return rec(g, [&](Graph& gr) { return gr.ssm_conv(tid(*g, x), tid(*g, w), tid(*g, state), tid(*g, seqs)); });
+      }, py::arg("x"), py::arg("w"), py::arg("state"), py::arg("seqs"),
+         "Causal depthwise conv over [state window; x] per segment; writes the state planes.")
+      .def("gated_delta_net", [](G g, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gate, const Tensor& beta,
+                                 const Tensor& state, const Tensor& seqs, float scale, int broadcast, int chunk_min) {
+        return rec(g, [&](Graph& gr) {
+          return gr.gated_delta_net(tid(*g, q), tid(*g, k), tid(*g, v), tid(*g, gate), tid(*g, beta), tid(*g, state),
+                                    tid(*g, seqs), scale, broadcast, chunk_min);
+        });
+      }, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("seqs"),
+         py::arg("scale") = 0.0f, py::arg("broadcast") = 0, py::arg("chunk_min") = 0,
+         "Gated delta rule per segment from state plane src_plane; writes snapshot planes. scale 0 = 1/sqrt(S).")
       .def("reshape", [](G g, const Tensor& a, std::vector<int64_t> d) { return rec(g, [&](Graph& gr) { return gr.reshape(tid(*g, a), d); }); })
       .def("view", [](G g, const Tensor& a, std::vector<int64_t> d, std::optional<std::vector<int64_t>> st, int64_t off) {
         return rec(g, [&](Graph& gr) { return gr.view(tid(*g, a), d, st ? *st : std::vector<int64_t>{}, off); });

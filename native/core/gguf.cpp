@@ -13,6 +13,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
 #include <limits>
 
 namespace pyfast {
@@ -360,7 +361,36 @@ GGUFFile::GGUFFile(const std::string& path) : path_(path) {
 }
 
 GGUFFile::~GGUFFile() {
+  stop_prefetch();
   if (base_) ::munmap((void*)base_, (size_t)size_);
+}
+
+void GGUFFile::prefetch() const {
+  std::lock_guard<std::mutex> lk(prefetch_mu_);
+  if (prefetch_thread_.joinable() || !base_ || size_ <= data_offset_) return;
+  prefetch_thread_ = std::thread([this] {
+    const size_t page = 4096;
+    const uintptr_t start = ((uintptr_t)(base_ + data_offset_)) & ~(uintptr_t)(page - 1);
+    const uintptr_t end = (uintptr_t)(base_ + size_);
+    const size_t step = size_t(4) << 20;  // in 4 MiB pieces so a stop request is seen quickly
+    for (uintptr_t a = start; a < end && !prefetch_stop_.load(std::memory_order_relaxed); a += step) {
+      const size_t n = std::min<size_t>(step, end - a);
+#if defined(MADV_POPULATE_READ)
+      if (::madvise((void*)a, n, MADV_POPULATE_READ) == 0) continue;
+#endif
+      volatile uint8_t sink = 0;  // older kernels: touch one byte per page
+      for (uintptr_t b = a; b < a + n; b += page) sink = sink + *(const volatile uint8_t*)b;
+      (void)sink;
+    }
+  });
+}
+
+void GGUFFile::stop_prefetch() const {
+  std::lock_guard<std::mutex> lk(prefetch_mu_);
+  if (prefetch_thread_.joinable()) {
+    prefetch_stop_ = true;
+    prefetch_thread_.join();
+  }
 }
 
 const GGUFValue* GGUFFile::find(std::string_view key) const {

@@ -3,6 +3,7 @@
 #include "pyfast/graph.h"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
 
@@ -321,6 +322,176 @@ int Graph::argmax(int a) {
   d.pop_back();
   if (d.empty()) d.push_back(1);
   return push(make_node(Op::argmax, DType::I32, make_shape(DType::I32, d), {a}));
+}
+
+// ---- activations, reductions and routing ---------------------------------------------------
+
+int Graph::sigmoid(int a) {
+  need_dtype("sigmoid", at(a), DType::F32, "a");
+  return push(make_node(Op::sigmoid, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a}));
+}
+
+int Graph::softplus(int a) {
+  need_dtype("softplus", at(a), DType::F32, "a");
+  return push(make_node(Op::softplus, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a}));
+}
+
+int Graph::l2_norm(int a, float eps) {
+  need_dtype("l2_norm", at(a), DType::F32, "a");
+  if (!(eps >= 0.0f)) fail("l2_norm", "eps must be >= 0");
+  Node n = make_node(Op::l2_norm, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a});
+  n.params.f[0] = eps;
+  return push(std::move(n));
+}
+
+static int norm_axis(const char* op, int axis, int ndim) {
+  const int ax = axis < 0 ? axis + ndim : axis;
+  if (ax < 0 || ax >= ndim) fail(op, "axis " + std::to_string(axis) + " out of range for " + std::to_string(ndim) + " dims");
+  return ax;
+}
+
+int Graph::concat(int a, int b, int axis) {
+  const Node& x = at(a);
+  const Node& y = at(b);
+  need_dtype("concat", x, DType::F32, "a");
+  need_dtype("concat", y, DType::F32, "b");
+  if (x.shape.ndim != y.shape.ndim) fail("concat", "a " + x.shape.str() + " and b " + y.shape.str() + " differ in rank");
+  const int ax = norm_axis("concat", axis, x.shape.ndim);
+  std::vector<int64_t> d = dims_of(x);
+  for (int i = 0; i < x.shape.ndim; ++i)
+    if (i != ax && x.shape.dims[i] != y.shape.dims[i])
+      fail("concat", "a " + x.shape.str() + " and b " + y.shape.str() + " differ outside axis " + std::to_string(ax));
+  d[ax] += y.shape.dims[ax];
+  Node n = make_node(Op::concat, DType::F32, make_shape(DType::F32, d), {a, b});
+  n.params.i[0] = ax;
+  return push(std::move(n));
+}
+
+int Graph::sum(int a, int axis) {
+  const Node& x = at(a);
+  need_dtype("sum", x, DType::F32, "a");
+  const int ax = norm_axis("sum", axis, x.shape.ndim);
+  std::vector<int64_t> d = dims_of(x);
+  d.erase(d.begin() + ax);
+  if (d.empty()) d.push_back(1);
+  Node n = make_node(Op::sum, DType::F32, make_shape(DType::F32, d), {a});
+  n.params.i[0] = ax;
+  return push(std::move(n));
+}
+
+int Graph::topk(int a, int k) {
+  const Node& x = at(a);
+  need_dtype("topk", x, DType::F32, "a");
+  const int64_t E = x.shape.dims[x.shape.ndim - 1];
+  if (k < 1 || k > E) fail("topk", "k must be in [1, " + std::to_string(E) + "], got " + std::to_string(k));
+  std::vector<int64_t> d = dims_of(x);
+  d.back() = k;
+  Node n = make_node(Op::topk, DType::I32, make_shape(DType::I32, d), {a});
+  n.params.i[0] = k;
+  return push(std::move(n));
+}
+
+int Graph::gather(int a, int ids) {
+  const Node& x = at(a);
+  const Node& i = at(ids);
+  need_dtype("gather", x, DType::F32, "a");
+  need_dtype("gather", i, DType::I32, "ids");
+  if (x.shape.ndim != i.shape.ndim) fail("gather", "a " + x.shape.str() + " and ids " + i.shape.str() + " differ in rank");
+  for (int d = 0; d < x.shape.ndim - 1; ++d)
+    if (x.shape.dims[d] != i.shape.dims[d]) fail("gather", "a " + x.shape.str() + " and ids " + i.shape.str() + " differ before the last dim");
+  return push(make_node(Op::gather, DType::F32, make_shape(DType::F32, dims_of(i)), {a, ids}));
+}
+
+int Graph::matmul_id(int x, int w, int ids) {
+  const Node& a = at(x);
+  const Node& b = at(w);
+  const Node& i = at(ids);
+  need_dtype("matmul_id", a, DType::F32, "x");
+  need_dtype("matmul_id", i, DType::I32, "ids");
+  if (b.shape.ndim != 3) fail("matmul_id", "w must be [n_expert, N, K], got " + b.shape.str());
+  switch (b.dtype) {  // the weight types matmul takes
+    case DType::F32: case DType::F16: case DType::BF16:
+    case DType::Q8_0: case DType::Q4_0: case DType::Q4_1: case DType::Q5_0: case DType::Q5_1:
+    case DType::Q4_K: case DType::Q5_K: case DType::Q6_K: break;
+    default: fail("matmul_id", std::string("unsupported weight dtype ") + dtype_name(b.dtype));
+  }
+  need_inner_contiguous("matmul_id", b, "w");
+  if (i.shape.ndim != 2) fail("matmul_id", "ids must be [T, k], got " + i.shape.str());
+  const int64_t T = i.shape.dims[0], k = i.shape.dims[1], N = b.shape.dims[1], K = b.shape.dims[2];
+  const bool x2 = a.shape.ndim == 2 && a.shape.dims[0] == T && a.shape.dims[1] == K;
+  const bool x3 = a.shape.ndim == 3 && a.shape.dims[0] == T && a.shape.dims[1] == k && a.shape.dims[2] == K;
+  if (!x2 && !x3)
+    fail("matmul_id", "x must be [T, K] or [T, k, K] = [" + std::to_string(T) + ", " + std::to_string(k) + ", " +
+                          std::to_string(K) + "], got " + a.shape.str());
+  need_inner_contiguous("matmul_id", a, "x");
+  return push(make_node(Op::matmul_id, DType::F32, make_shape(DType::F32, {T, k, N}), {x, w, ids}));
+}
+
+// ---- recurrent ops ---------------------------------------------------------------------------
+
+static void check_seqs(const char* op, const Node& s) {
+  need_dtype(op, s, DType::I32, "seqs");
+  if (s.shape.ndim != 2 || s.shape.dims[1] != 4) fail(op, "seqs must be [n_seg, 4] (t0, n, slot, src_plane), got " + s.shape.str());
+  if (!is_contiguous(s.dtype, s.shape)) fail(op, "seqs must be contiguous");
+}
+
+int Graph::ssm_conv(int x, int w, int state, int seqs) {
+  const Node& a = at(x);
+  const Node& b = at(w);
+  const Node& st = at(state);
+  need_dtype("ssm_conv", a, DType::F32, "x");
+  need_dtype("ssm_conv", b, DType::F32, "w");
+  need_dtype("ssm_conv", st, DType::F32, "state");
+  check_seqs("ssm_conv", at(seqs));
+  if (a.shape.ndim != 2) fail("ssm_conv", "x must be [T, C], got " + a.shape.str());
+  const int64_t T = a.shape.dims[0], C = a.shape.dims[1];
+  if (b.shape.ndim != 2 || b.shape.dims[0] != C || b.shape.dims[1] < 1)
+    fail("ssm_conv", "w must be [C, kernel] with C = " + std::to_string(C) + ", got " + b.shape.str());
+  const int64_t Kc = b.shape.dims[1];
+  if (st.shape.ndim != 4 || st.shape.dims[2] != Kc - 1 || st.shape.dims[3] != C)
+    fail("ssm_conv", "state must be [planes, slots, " + std::to_string(Kc - 1) + ", " + std::to_string(C) + "], got " + st.shape.str());
+  if (!is_contiguous(st.dtype, st.shape)) fail("ssm_conv", "state must be contiguous");
+  need_inner_contiguous("ssm_conv", a, "x");
+  return push(make_node(Op::ssm_conv, DType::F32, make_shape(DType::F32, {T, C}), {x, w, state, seqs}));
+}
+
+int Graph::gated_delta_net(int q, int k, int v, int g, int beta, int state, int seqs, float scale, int broadcast,
+                           int chunk_min) {
+  const char* op = "gated_delta_net";
+  const Node& Q = at(q);
+  const Node& K = at(k);
+  const Node& V = at(v);
+  const Node& G = at(g);
+  const Node& B = at(beta);
+  const Node& M = at(state);
+  for (const Node* n : {&Q, &K, &V, &G, &B, &M}) need_dtype(op, *n, DType::F32, "q, k, v, g, beta and state");
+  check_seqs(op, at(seqs));
+  if (V.shape.ndim != 3) fail(op, "v must be [T, Hv, S], got " + V.shape.str());
+  const int64_t T = V.shape.dims[0], Hv = V.shape.dims[1], S = V.shape.dims[2];
+  if (Q.shape.ndim != 3 || Q.shape.dims[0] != T || Q.shape.dims[2] != S)
+    fail(op, "q must be [T, Hk, S] with T = " + std::to_string(T) + ", S = " + std::to_string(S) + ", got " + Q.shape.str());
+  const int64_t Hk = Q.shape.dims[1];
+  if (dims_of(K) != dims_of(Q)) fail(op, "k " + K.shape.str() + " must match q " + Q.shape.str());
+  if (Hk < 1 || Hv % Hk != 0) fail(op, "value heads (" + std::to_string(Hv) + ") must be a multiple of key heads (" + std::to_string(Hk) + ")");
+  const bool gda = G.shape.ndim == 2 && G.shape.dims[0] == T && G.shape.dims[1] == Hv;
+  const bool kda = G.shape.ndim == 3 && G.shape.dims[0] == T && G.shape.dims[1] == Hv && G.shape.dims[2] == S;
+  if (!gda && !kda) fail(op, "g must be [T, Hv] (scalar gate) or [T, Hv, S] (per-key gate), got " + G.shape.str());
+  if (B.shape.ndim != 2 || B.shape.dims[0] != T || B.shape.dims[1] != Hv) fail(op, "beta must be [T, Hv], got " + B.shape.str());
+  // Tensors have at most 4 dims, so each head's S x S matrix (row i = key dim, column j = value
+  // dim, row-major) is flattened: state[p, slot, h, i * S + j].
+  if (M.shape.ndim != 4 || M.shape.dims[2] != Hv || M.shape.dims[3] != S * S)
+    fail(op, "state must be [planes, slots, " + std::to_string(Hv) + ", " + std::to_string(S * S) + "] (S x S per head), got " +
+                 M.shape.str());
+  if (!is_contiguous(M.dtype, M.shape)) fail(op, "state must be contiguous");
+  if (broadcast != 0 && broadcast != 1) fail(op, "broadcast must be 0 (tiled) or 1 (interleaved)");
+  if (chunk_min < 0) fail(op, "chunk_min must be >= 0");
+  for (const Node* n : {&Q, &K, &V, &G, &B}) need_inner_contiguous(op, *n, "q, k, v, g and beta");
+  Node n = make_node(Op::gated_delta_net, DType::F32, make_shape(DType::F32, {T, Hv, S}), {q, k, v, g, beta, state, seqs});
+  n.params.f[0] = scale > 0.0f ? scale : 1.0f / std::sqrt((float)S);
+  n.params.i[0] = broadcast;
+  n.params.i[1] = chunk_min;
+  n.params.i[2] = kda ? 1 : 0;
+  return push(std::move(n));
 }
 
 int Graph::reshape(int a, const std::vector<int64_t>& dims) {

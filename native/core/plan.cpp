@@ -3,10 +3,16 @@
 #include "pyfast/plan.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
+#include <vector>
 
 #include "pyfast/cpu.h"
 
@@ -65,6 +71,59 @@ class ArenaAllocator {
 
 }  // namespace
 
+bool cpu_matmul_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/matmul.cpp
+
+namespace {
+
+// Kernels that split their work by (ith, nth) alone, keep per-share scratch at an ith-indexed
+// place, write only their output and never call p.barrier(): any thread may run any share of
+// them. (Ops not listed here, e.g. ones added later, run as before: each thread its own share.)
+bool op_shareable(const Node& nd, const Node* const* srcs, int nth) {
+  switch (nd.op) {
+    case Op::get_rows: case Op::add: case Op::mul: case Op::scale: case Op::rms_norm: case Op::rope:
+    case Op::softmax: case Op::attention: case Op::silu: case Op::swiglu: case Op::set_rows: case Op::cpy:
+    case Op::argmax: case Op::sigmoid: case Op::softplus: case Op::l2_norm: case Op::concat: case Op::sum:
+      return true;
+    case Op::matmul:
+      return !cpu_matmul_syncs(nd, srcs, nth);
+    default:
+      return false;
+  }
+}
+
+// Scheduling data of a plan, kept after the kernels' scratch in the work allocation (see run()).
+struct Sched {
+  size_t n_exec = 0, stride = 0;  // claim flags per share index: stride bytes (cache lines)
+  uint32_t* group_end = nullptr;  // [n_exec] for a group's first node: one past its last node
+  uint64_t* wofs = nullptr;       // [n_exec] offset of the node's scratch in the work area
+  uint8_t* shareable = nullptr;   // [n_exec]
+  std::atomic<uint8_t>* claimed = nullptr;  // [nth][stride]: share s of node k started (per run)
+};
+
+size_t sched_bytes(size_t n_exec, int nth, size_t* stride) {
+  *stride = (n_exec + 63) & ~(size_t)63;
+  return align_up(n_exec * 4) + align_up(n_exec * 8) + align_up(n_exec) + *stride * (size_t)nth;
+}
+
+Sched sched_at(uint8_t* base, size_t n_exec, int nth) {
+  Sched sc;
+  sc.n_exec = n_exec;
+  size_t off = 0;
+  const size_t bytes = sched_bytes(n_exec, nth, &sc.stride);
+  (void)bytes;
+  sc.group_end = reinterpret_cast<uint32_t*>(base + off);
+  off += align_up(n_exec * 4);
+  sc.wofs = reinterpret_cast<uint64_t*>(base + off);
+  off += align_up(n_exec * 8);
+  sc.shareable = base + off;
+  off += align_up(n_exec);
+  static_assert(sizeof(std::atomic<uint8_t>) == 1, "claim flags");
+  sc.claimed = reinterpret_cast<std::atomic<uint8_t>*>(base + off);
+  return sc;
+}
+
+}  // namespace
+
 Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool)
     : graph_(std::move(graph)), pool_(std::move(pool)) {
   auto& nodes = graph_->nodes();
@@ -118,8 +177,8 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool)
   arena_ = alloc_aligned(stats_.arena_bytes);
 
   // Resolve data pointers in order (views follow their source).
-  size_t work = 0;
   const int nth = pool_ ? pool_->size() : 1;
+  std::vector<size_t> node_work;
   for (int i = 0; i < n; ++i) {
     Node& nd = nodes[i];
     if (nd.kind != NodeKind::computed) continue;
@@ -131,16 +190,66 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool)
       exec_.push_back(i);
       const Node* srcs[kMaxSrc];
       for (int s = 0; s < nd.n_src; ++s) srcs[s] = &nodes[nd.src[s]];
-      work = std::max(work, cpu_work_size(nd, srcs, nth));
+      node_work.push_back(align_up(cpu_work_size(nd, srcs, nth)));
     }
   }
   stats_.n_kernels = (int)exec_.size();
+
+  // Groups: runs of consecutive nodes that may execute concurrently, so threads only wait for
+  // each other at the end of a group. A node joins the current group when it and the group's
+  // nodes are op_shareable and it neither reads memory a group node writes nor writes memory a
+  // group node reads or writes (whole allocations: the arena block, input or external buffer
+  // behind each tensor). Each node of a group gets its own part of the work buffer.
+  const size_t n_exec = exec_.size();
+  std::vector<uint32_t> group_end(n_exec, 0);
+  std::vector<uint64_t> wofs(n_exec, 0);
+  std::vector<uint8_t> shareable(n_exec, 0);
+  struct Range { uintptr_t lo, hi; };
+  auto range = [&](int id) -> Range {
+    const Node& r = nodes[root[id]];
+    const uintptr_t lo = (uintptr_t)r.data;
+    if (!lo) return Range{0, UINTPTR_MAX};  // unknown: overlaps everything
+    return Range{lo, lo + std::max<size_t>(span_bytes(r.dtype, r.shape), 1)};
+  };
+  auto overlap = [](const Range& a, const Range& b) { return a.lo < b.hi && b.lo < a.hi; };
+  std::vector<Range> rd, wr;  // reads / writes of the current group
+  size_t g0 = 0, work = 0, gwork = 0;
+  for (size_t k = 0; k < n_exec; ++k) {
+    const Node& nd = nodes[exec_[k]];
+    const Node* srcs[kMaxSrc];
+    for (int s = 0; s < nd.n_src; ++s) srcs[s] = &nodes[nd.src[s]];
+    shareable[k] = nth > 1 && op_shareable(nd, srcs, nth);
+    const Range w = range(exec_[k]);
+    bool join = k > g0 && shareable[k] && shareable[g0];
+    for (size_t g = 0; join && g < wr.size(); ++g) join = !overlap(wr[g], w);
+    for (size_t g = 0; join && g < rd.size(); ++g) join = !overlap(rd[g], w);
+    for (int s = 0; join && s < nd.n_src; ++s)
+      for (size_t g = 0; join && g < wr.size(); ++g) join = !overlap(wr[g], range(nd.src[s]));
+    if (!join && k > 0) {
+      group_end[g0] = (uint32_t)k;
+      g0 = k;
+      rd.clear();
+      wr.clear();
+      gwork = 0;
+    }
+    wofs[k] = gwork;
+    gwork += node_work[k];
+    work = std::max(work, gwork);
+    wr.push_back(w);
+    for (int s = 0; s < nd.n_src; ++s) rd.push_back(range(nd.src[s]));
+  }
+  if (n_exec) group_end[g0] = (uint32_t)n_exec;
+
   work_size_ = work;
   stats_.work_bytes = work;
-  if (work) {
-    work_ = alloc_aligned(work);
-    owned_.push_back(work_);
-  }
+  size_t stride;
+  const size_t meta = sched_bytes(n_exec, nth, &stride);
+  work_ = alloc_aligned(align_up(work) + meta);
+  owned_.push_back(work_);
+  const Sched sc = sched_at(work_ + align_up(work), n_exec, nth);
+  std::copy(group_end.begin(), group_end.end(), sc.group_end);
+  std::copy(wofs.begin(), wofs.end(), sc.wofs);
+  std::copy(shareable.begin(), shareable.end(), sc.shareable);
   for (auto& o : graph_->outputs()) out_[o.first] = o.second;
 }
 
@@ -161,33 +270,97 @@ const Node& Plan::output(const std::string& name) const {
   return graph_->at(it->second);
 }
 
+
+// Nodes run in groups (see the constructor); a group starts once every share (ith = 0..nth-1) of
+// every node of the previous group is done, so threads wait for each other only between groups.
+// The share of each node a thread runs is fixed by ith as before, but for kernels without
+// internal barriers (op_shareable) a thread that is done with its own shares of a group also
+// runs the shares no other thread has started yet (claimed atomically; each runs exactly once).
+// So when a thread is descheduled (other processes compete for the cores) or slow to wake, the
+// others carry on instead of waiting for it. Results do not change: a share computes the same
+// values whichever thread runs it.
+//
+// A kernel may throw (e.g. an index out of range found in the data): the first exception is
+// kept and rethrown here once every thread has stopped. Threads stop together after the group
+// of the node that failed is done (fail_at names the node, so a thread that already started the
+// next group cannot make the others stop early). A kernel with internal barriers must throw on
+// all threads or none, before its first barrier.
 void Plan::run() {
   auto& nodes = graph_->nodes();
   const CpuIsa isa = cpu_isa();
   const int nth = pool_ ? pool_->size() : 1;
+  const size_t n_exec = exec_.size();
+  const Sched sc = sched_at(work_ + align_up(work_size_), n_exec, nth);
+  if (nth > 1)
+    for (size_t i = 0; i < sc.stride * (size_t)nth; ++i) sc.claimed[i].store(0, std::memory_order_relaxed);
+  std::atomic<size_t> fail_at{SIZE_MAX};
+  std::exception_ptr err;
+  std::mutex err_mu;
+  std::atomic<uint32_t> done{0};  // shares finished, all nodes so far
   auto body = [&](int ith) {
     ComputeParams p;
     p.ith = ith;
     p.nth = nth;
-    p.wdata = work_;
-    p.wsize = work_size_;
     p.pool = pool_.get();
     p.isa = isa;
     const Node* srcs[kMaxSrc];
-    for (size_t k = 0; k < exec_.size(); ++k) {
+    auto share = [&](size_t k, int s) {
       Node& nd = nodes[exec_[k]];
-      for (int s = 0; s < nd.n_src; ++s) srcs[s] = &nodes[nd.src[s]];
-      switch (nd.op) {
+      for (int i = 0; i < nd.n_src; ++i) srcs[i] = &nodes[nd.src[i]];
+      p.ith = s;
+      p.wdata = work_ + sc.wofs[k];
+      p.wsize = work_size_ - sc.wofs[k];
+      try {
+        switch (nd.op) {
 #define X(name, n_src, is_view) case Op::name: if (!is_view) cpu_##name(p, nd, srcs); break;
 #include "pyfast/ops.def"
 #undef X
-        default: break;
+          default: break;
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(err_mu);
+        if (!err) err = std::current_exception();
+        if (k < fail_at.load()) fail_at.store(k);
       }
-      p.barrier();
+      p.ith = ith;
+    };
+    for (size_t k0 = 0; k0 < n_exec;) {
+      const size_t k1 = sc.group_end[k0];
+      if (nth == 1) {
+        for (size_t k = k0; k < k1; ++k) share(k, 0);
+      } else {
+        const uint32_t target = (uint32_t)(k1 * (size_t)nth);
+        auto finished = [&] {
+          if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == target) pool_->notify(done);
+        };
+        // Own shares first, then (shareable nodes) the shares nobody has started yet.
+        for (size_t k = k0; k < k1; ++k) {
+          std::atomic<uint8_t>& cl = sc.claimed[(size_t)ith * sc.stride + k];
+          if (sc.shareable[k] && (cl.load(std::memory_order_relaxed) || cl.exchange(1, std::memory_order_acq_rel)))
+            continue;
+          share(k, ith);
+          finished();
+        }
+        for (int q = 1; q < nth; ++q) {
+          const int s = (ith + q) % nth;
+          for (size_t k = k0; k < k1; ++k) {
+            if (!sc.shareable[k]) continue;
+            if ((int32_t)(done.load(std::memory_order_acquire) - target) >= 0) break;
+            std::atomic<uint8_t>& cl = sc.claimed[(size_t)s * sc.stride + k];
+            if (cl.load(std::memory_order_relaxed) || cl.exchange(1, std::memory_order_acq_rel)) continue;
+            share(k, s);
+            finished();
+          }
+        }
+        pool_->wait_until(done, target);
+      }
+      if (fail_at.load() < k1) break;
+      k0 = k1;
     }
   };
   if (pool_) pool_->run(body);
   else body(0);
+  if (err) std::rethrow_exception(err);
 }
 
 }  // namespace pyfast

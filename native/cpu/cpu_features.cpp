@@ -4,7 +4,8 @@
 //   avx2   : AVX2 + FMA + F16C (+ OS-enabled YMM state)
 //   avx512 : the avx2 set + AVX-512 F/BW/VL/VNNI (+ OS-enabled ZMM state). AVX-512 CPUs without
 //            VNNI (Skylake-X) use the avx2 path.
-//   neon   : any aarch64 CPU.
+//   neon   : any aarch64 CPU (the quantized matmul also uses the dotprod extension, sdot, when
+//            present: HWCAP_ASIMDDP on Linux, hw.optional.arm.FEAT_DotProd on macOS).
 // The default ISA is the best available one; the environment variable PYFAST_CPU_ISA
 // (scalar|avx2|avx512|neon|auto) overrides it when the process starts (an unknown or unavailable
 // value prints a warning and keeps the default).
@@ -23,6 +24,12 @@
 #endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)  // asm/hwcap.h (Linux >= 4.15); older headers lack the name
+#endif
+#endif
+#if defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
 #endif
 
 namespace pyfast {
@@ -69,8 +76,12 @@ CpuFeatures detect() {
   }
 #elif defined(__aarch64__)
   f.neon = true;
-#if defined(__linux__) && defined(HWCAP_ASIMDDP)
+#if defined(__linux__)
   f.dotprod = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__APPLE__)
+  int dp = 0;
+  size_t len = sizeof dp;
+  if (sysctlbyname("hw.optional.arm.FEAT_DotProd", &dp, &len, nullptr, 0) == 0) f.dotprod = dp != 0;
 #elif defined(__ARM_FEATURE_DOTPROD)
   f.dotprod = true;
 #endif

@@ -104,6 +104,10 @@ class GGUFReader:
             )
         return self._file.tensor_data(name).view(dt).reshape(info.shape)
 
+    def prefetch(self) -> None:
+        """Start paging the tensor data in on a background native thread (returns at once)."""
+        self._file.prefetch()
+
     def close(self) -> None:
         """Release this reader's reference to the mapping (arrays already taken stay valid)."""
         self._file.close()

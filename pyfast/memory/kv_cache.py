@@ -31,6 +31,14 @@ class BatchSlots:
     n_kv: int
 
 
+@dataclass
+class KVRows:
+    """A host copy of one sequence's K/V rows: positions and per-layer raw rows."""
+    pos: np.ndarray  # [n] int32
+    k: np.ndarray    # [n_layer, n, k row bytes] uint8
+    v: np.ndarray    # [n_layer, n, v row bytes] uint8
+
+
 class KVCache:
     """K/V storage for every attention layer plus the cell bookkeeping."""
 
@@ -85,6 +93,38 @@ class KVCache:
         """How many trailing tokens can be removed: any number for a KV cache."""
         return float("inf")
 
+    # --- per-sequence copies (state save / restore) ----------------------------------------
+    def _rows(self, buf, layer_bytes: int) -> np.ndarray:
+        return np.frombuffer(buf, dtype=np.uint8).reshape(self.n_layer, self.n_ctx, layer_bytes // self.n_ctx)
+
+    def save_seq(self, seq: int) -> KVRows:
+        """A host copy of every K/V row of `seq` (all layers), in position order."""
+        cells = np.flatnonzero(self.cell_seq[: self._used_top] == seq)
+        cells = cells[np.argsort(self.cell_pos[cells], kind="stable")]
+        return KVRows(pos=self.cell_pos[cells].copy(), k=self._rows(self.k, self.k_layer_bytes)[:, cells].copy(),
+                      v=self._rows(self.v, self.v_layer_bytes)[:, cells].copy())
+
+    def restore_seq(self, seq: int, rows: KVRows) -> None:
+        """Replace the rows of `seq` with a saved copy (into free cells; other sequences untouched)."""
+        kr, vr = self._rows(self.k, self.k_layer_bytes), self._rows(self.v, self.v_layer_bytes)
+        if rows.k.shape[0] != self.n_layer or rows.k.shape[2:] != kr.shape[2:] or rows.v.shape[2:] != vr.shape[2:]:
+            raise ValueError(f"saved KV rows {rows.k.shape} / {rows.v.shape} do not fit this cache "
+                             f"({self.n_layer} layers, rows of {kr.shape[2]} / {vr.shape[2]} bytes)")
+        n = rows.pos.size
+        mine = (self.cell_seq == seq) & (self.cell_pos >= 0)
+        free = np.flatnonzero((self.cell_pos < 0) | mine)
+        if free.size < n:
+            raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, "
+                              f"{n} needed to restore sequence {seq}")
+        self.cell_pos[mine] = -1
+        self.cell_seq[mine] = -1
+        idx = free[:n]
+        kr[:, idx] = rows.k
+        vr[:, idx] = rows.v
+        self.cell_pos[idx] = rows.pos
+        self.cell_seq[idx] = seq
+        self._shrink()
+
     def _shrink(self) -> None:
         used = np.flatnonzero(self.cell_pos >= 0)
         self._used_top = int(used[-1]) + 1 if used.size else 0
@@ -96,6 +136,9 @@ class KVCache:
         A (sequence, position) pair that is already stored is overwritten in place.
         """
         T = len(positions)
+        if T == 1:  # the common decode step: no duplicate check, one vectorized lookup
+            idx = self._cell_for(int(seq_ids[0]), int(positions[0]))
+            return self._finish(idx, seq_ids, positions)
         keys = (seq_ids.astype(np.int64) << 32) | positions.astype(np.int64)
         if np.unique(keys).size != T:
             raise ValueError("a batch may not hold the same (sequence, position) twice")
@@ -116,6 +159,23 @@ class KVCache:
                 raise KVCacheFull(
                     f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, {need.size} more needed")
             idx[need] = free[: need.size]
+        return self._finish(idx, seq_ids, positions)
+
+    def _cell_for(self, seq: int, pos: int) -> np.ndarray:
+        """[cell] for one token: the cell already holding (seq, pos), else the first free one."""
+        top = self._used_top
+        if top:
+            hit = np.flatnonzero((self.cell_pos[:top] == pos) & (self.cell_seq[:top] == seq))
+            if hit.size:
+                return hit[:1].astype(np.int32)
+        free = np.flatnonzero(self.cell_pos < 0)
+        if free.size == 0:
+            raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, 1 more needed")
+        return free[:1].astype(np.int32)
+
+    def _finish(self, idx: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> BatchSlots:
+        """Record the batch's cells and build its mask and cell order."""
+        T = len(positions)
         self.cell_pos[idx] = positions
         self.cell_seq[idx] = seq_ids
         self._used_top = max(self._used_top, int(idx.max()) + 1) if T else self._used_top

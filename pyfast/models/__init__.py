@@ -10,10 +10,10 @@ import os
 from types import ModuleType
 
 from pyfast.gguf import GGUFReader
-from pyfast.models import llama
-from pyfast.models.base import BatchShape, GraphBuilder, Weights
+from pyfast.models import llama, qwen3next, qwen35, qwen35moe
+from pyfast.models.base import BatchShape, GraphBuilder, MemorySpec, Weights
 
-ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama,)}
+ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen35, qwen35moe, qwen3next)}
 
 _MATMUL_DTYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 
@@ -24,6 +24,7 @@ class Model:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         self.reader = GGUFReader(self.path)
+        self.reader.prefetch()  # page the weights in while the rest of start-up runs
         self.metadata = self.reader.metadata
         arch = self.metadata.get("general.architecture")
         mod = ARCHITECTURES.get(arch)
@@ -47,16 +48,35 @@ class Model:
     def name(self) -> str:
         return str(self.metadata.get("general.name") or os.path.basename(self.path))
 
-    def build(self, shape: BatchShape, kv):
-        """A graph for one batch shape; returns the builder (its .g has output 'logits')."""
-        b = GraphBuilder(self.weights, shape, kv)
+    def build(self, shape: BatchShape, kv, rec=None, export_hidden: bool = False):
+        """A graph for one batch shape; returns the builder (its .g has output 'logits', and
+        'hidden' [n_tokens, n_embd] with export_hidden)."""
+        if export_hidden and not self.supports_hidden:
+            raise ValueError(f"{self.path}: architecture {self.arch.ARCH!r} cannot export hidden rows")
+        b = GraphBuilder(self.weights, shape, kv, rec=rec, export_hidden=export_hidden)
         logits = self.arch.build(b, self.args)
         b.g.output(logits, "logits")
         return b
+
+    @property
+    def supports_hidden(self) -> bool:
+        """Whether build(export_hidden=True) outputs the post-final-norm hidden rows."""
+        return bool(getattr(self.arch, "EXPORTS_HIDDEN", False))
 
     def kv_geometry(self) -> tuple[int, int, int]:
         a = self.args
         return a.n_layer, a.n_head_kv, a.head_dim
 
+    def memory_spec(self) -> MemorySpec:
+        """The memory this model needs: attention layers (KV cache) and recurrent layers."""
+        if hasattr(self.arch, "memory"):
+            return self.arch.memory(self.args)
+        n_layer, n_head_kv, head_dim = self.kv_geometry()
+        return MemorySpec(attn_layers=tuple(range(n_layer)), n_head_kv=n_head_kv, head_dim=head_dim)
 
-__all__ = ["ARCHITECTURES", "Model", "BatchShape", "GraphBuilder", "Weights"]
+    @property
+    def is_recurrent(self) -> bool:
+        return self.memory_spec().is_recurrent
+
+
+__all__ = ["ARCHITECTURES", "Model", "BatchShape", "GraphBuilder", "MemorySpec", "Weights"]

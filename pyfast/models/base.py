@@ -30,6 +30,7 @@ class Weights:
         self.reader = reader
         self.info = reader.tensors  # name -> info(name, type, shape, offset, nbytes)
         self._bytes: dict[str, np.ndarray] = {}
+        self._derived: dict[str, np.ndarray] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.info
@@ -44,6 +45,22 @@ class Weights:
         arr = self._bytes.get(name)
         if arr is None:
             arr = self._bytes[name] = self.reader.tensor_bytes(name)
+        return arr
+
+    def f32(self, name: str) -> np.ndarray:
+        """The tensor as a float32 numpy array (a copy; quantized types are dequantized)."""
+        info = self.info[name]
+        shape = tuple(info.shape)
+        n_cols = shape[-1] if shape else 1
+        out = native.dequantize_tensor(self.dtype(name), self.data(name), int(np.prod(shape)) // n_cols, n_cols)
+        return np.asarray(out, dtype=np.float32).reshape(shape)
+
+    def derived(self, key: str, make) -> np.ndarray:
+        """An array computed once from the file's tensors (a load-time repack for a kernel's
+        preferred layout), kept alive as long as the weights so graphs may reference it."""
+        arr = self._derived.get(key)
+        if arr is None:
+            arr = self._derived[key] = np.ascontiguousarray(make())
         return arr
 
     def check(self, specs: list[TensorSpec], path: str) -> None:
@@ -63,16 +80,37 @@ class BatchShape:
     n_tokens: int  # rows in this micro-batch
     n_kv: int      # visible cache cells
     n_out: int     # rows whose logits are returned
+    n_seg: int = 0  # recurrent segments (one per sequence run) in this micro-batch; 0 = no recurrent memory
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """What memory a model needs: which layers attend over a KV cache (and its geometry) and which
+    carry recurrent state (and its geometry). Layer indices are the model's own (``blk.{i}``); the
+    caches number their layers in this order (attention layer ``attn_layers[j]`` is KV layer j)."""
+
+    attn_layers: tuple[int, ...]
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int | None = None
+    recurrent_layers: tuple[int, ...] = ()
+    recurrent: "object | None" = None  # pyfast.memory.recurrent.RecurrentGeometry
+
+    @property
+    def is_recurrent(self) -> bool:
+        return bool(self.recurrent_layers)
 
 
 class GraphBuilder:
     """Wraps a native Graph with the inputs of one batch shape and layer helpers."""
 
-    def __init__(self, weights: Weights, shape: BatchShape, kv=None):
+    def __init__(self, weights: Weights, shape: BatchShape, kv=None, rec=None, export_hidden: bool = False):
         self.g = native.Graph()
         self.w = weights
         self.shape = shape
         self.kv = kv
+        self.rec = rec                      # RecurrentMemory or None
+        self.export_hidden = export_hidden  # the arch outputs "hidden" (post-final-norm, every row)
         T, n_kv = shape.n_tokens, shape.n_kv
         g = self.g
         self.tokens = g.input("tokens", DType.I32, [T])       # [T]
@@ -82,6 +120,8 @@ class GraphBuilder:
             self.kv_idx = g.input("kv_idx", DType.I32, [T])   # cell written by each token
             self.mask = g.input("mask", DType.F32, [T, n_kv])  # 0 / -inf
             self.kv_order = g.input("kv_order", DType.I32, [n_kv])
+        if rec is not None:
+            self.seqs = g.input("seqs", DType.I32, [shape.n_seg, 4])  # (t0, n, slot, src_plane)
         self._wcache: dict[str, object] = {}
 
     # --- weights ---------------------------------------------------------------------------
@@ -132,6 +172,53 @@ class GraphBuilder:
         o = g.attention(q, k_vis, v_vis, self.mask, self.kv_order, scale)
         n_head = q.shape[1]
         return g.reshape(o, [T, n_head * kv.head_dim_v])
+
+    def ssm_conv(self, ir: int, x, w):
+        """Causal depthwise conv of recurrent layer ir over the batch, through its state planes.
+
+        x: [T, C], w: the f32 weight [C, Kc]. Returns [T, C] (no activation)."""
+        rec = self.rec
+        state = self.g.external(f"conv_state.{ir}", DType.F32, list(rec.conv_shape), rec.conv_buf,
+                                offset=ir * rec.conv_layer_bytes)
+        return self.g.ssm_conv(x, w, state, self.seqs)
+
+    def gated_delta_net(self, ir: int, q, k, v, g, beta, broadcast: int, chunk_min: int = 0, scale: float = 0.0):
+        """The gated delta rule of recurrent layer ir through its state planes.
+
+        q, k: [T, Hk, S] (L2-normalised), v: [T, Hv, S], g (log-decay), beta: [T, Hv].
+        Returns [T, Hv, S]."""
+        rec = self.rec
+        state = self.g.external(f"ssm_state.{ir}", DType.F32, list(rec.ssm_shape), rec.ssm_buf,
+                                offset=ir * rec.ssm_layer_bytes)
+        return self.g.gated_delta_net(q, k, v, g, beta, state, self.seqs, scale, broadcast, chunk_min)
+
+    def moe_ffn(self, x, prefix: str, n_expert_used: int, norm_topk: bool, weights_scale: float = 1.0):
+        """Routed experts: softmax router -> top-k -> (renormalized) weights -> SwiGLU experts
+        (``ffn_{gate,up,down}_exps`` or a merged ``ffn_gate_up_exps``) -> weighted sum.
+
+        x: [T, d] -> [T, d]."""
+        g = self.g
+        T = x.shape[0]
+        logits = self.linear(x, f"{prefix}.ffn_gate_inp.weight")            # [T, E]
+        ids = g.topk(logits, n_expert_used)                                  # [T, k]; same order as on probs
+        if norm_topk:  # p_i / sum_sel p_j == softmax over the selected logits
+            w = g.softmax(g.gather(logits, ids))                             # [T, k]
+        else:
+            w = g.gather(g.softmax(logits), ids)
+        if weights_scale != 1.0:
+            w = g.scale(w, weights_scale)
+        if self.has(f"{prefix}.ffn_gate_up_exps.weight"):
+            gu = g.matmul_id(x, self.weight(f"{prefix}.ffn_gate_up_exps.weight"), ids)  # [T, k, 2F]
+            F = gu.shape[2] // 2
+            st = list(gu.strides)
+            gate = g.view(gu, [T, n_expert_used, F], st)
+            up = g.view(gu, [T, n_expert_used, F], st, offset=F * 4)
+        else:
+            gate = g.matmul_id(x, self.weight(f"{prefix}.ffn_gate_exps.weight"), ids)  # [T, k, F]
+            up = g.matmul_id(x, self.weight(f"{prefix}.ffn_up_exps.weight"), ids)
+        down = g.matmul_id(g.swiglu(gate, up), self.weight(f"{prefix}.ffn_down_exps.weight"), ids)  # [T, k, d]
+        down = g.mul(down, g.reshape(w, [T, n_expert_used, 1]))
+        return g.sum(down, 1)                                                # [T, d]
 
     def select_outputs(self, x):
         """Keep only the rows whose logits are wanted: [T, d] -> [n_out, d]."""

@@ -1,7 +1,7 @@
 """``pyfast serve``: an OpenAI-compatible server with continuous batching.
 
 * ``engine.py``  — slots, the bounded queue, the scheduler thread (one batched decode per step)
-  and the prompt cache;
+  and the prompt cache (with context checkpoints for hybrid / recurrent models);
 * ``spec.py``    — the per-slot speculation hook (drafters, verification inside the batch);
 * ``app.py``     — the FastAPI routes, SSE streaming, API keys and errors;
 * ``schemas.py`` — the OpenAI request schemas; ``metrics.py`` — Prometheus metrics;

@@ -207,7 +207,9 @@ class _API:
         return JSONResponse({"object": "list", "data": [{
             "id": e.model_id, "object": "model", "created": e.created, "owned_by": "pyfast",
             "meta": {"file": os.path.basename(e.model_path), "n_vocab": e.n_vocab, "n_ctx_slot": e.n_ctx_slot,
-                     "n_parallel": e.cfg.n_parallel, "speculative": e.spec_enabled}}]})
+                     "n_parallel": e.cfg.n_parallel, "speculative": e.spec_enabled,
+                     "recurrent": e.is_recurrent, "n_rollback": e.ctx.n_rollback,
+                     "ctx_checkpoints": e.n_checkpoints}}]})
 
     async def metrics(self) -> Response:
         e = self.engine
@@ -323,6 +325,19 @@ class _API:
         base = {k: getattr(req, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                               "repeat_last_n", "frequency_penalty", "presence_penalty")
                 if getattr(req, k) is not None}
+        if req.logit_bias:
+            bias = {}
+            for t, b in req.logit_bias.items():
+                try:
+                    tid = int(t)
+                except ValueError:
+                    raise APIError(400, f"logit_bias: keys must be token ids, got {t!r}", param="logit_bias") from None
+                if not 0 <= tid < e.n_vocab:
+                    raise APIError(400, f"logit_bias: token id {tid} is outside the vocabulary [0, {e.n_vocab})",
+                                   param="logit_bias")
+                # OpenAI: -100 effectively bans a token, 100 effectively forces it
+                bias[tid] = float("-inf") if b <= -100 else float(b)
+            base["logit_bias"] = bias
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop = [s for s in stop if s]
         queue: asyncio.Queue = asyncio.Queue()

@@ -9,8 +9,20 @@ continuous-batching scheduler.
   event loop serving HTTP never waits on compute. Batch invariance makes each sequence's logits
   bit-identical to decoding it alone, so served greedy output equals ``LLM.generate``.
 * **Prompt cache.** A slot keeps the tokens its sequence holds in the KV cache after a request.
-  A new request goes to the free slot sharing the longest prefix with its prompt (least recently
-  used among ties); the slot's sequence is truncated to that prefix and only the rest is decoded.
+  A new request goes to the free slot that can reuse the longest prefix of its prompt (least
+  recently used among ties); the slot's sequence is truncated to that prefix and only the rest is
+  decoded.
+* **Hybrid (recurrent) models** (Qwen3.5, Qwen3-Next: Gated-DeltaNet layers next to attention)
+  keep a recurrent state that cannot be truncated like a KV cache: it rolls back at most
+  ``n_rollback`` (= the speculative draft limit) trailing tokens of its last batch. Each slot
+  therefore keeps up to ``--ctx-checkpoints`` **context checkpoints** (algorithms.md §2.7): copies
+  of its recurrent state taken shortly before each prompt's end (``len - 4`` and
+  ``len - 4 - n_ubatch``; the prompt's decode is split there) and at the end of each reply. A new
+  request whose common prefix with the slot's tokens covers the whole state continues from it;
+  otherwise the newest checkpoint at or before the common prefix is restored (the KV cache is
+  simply truncated to it) and the prompt is decoded from there; failing that, from scratch.
+  Speculative drafts longer than the rollback limit save the state before the verify decode and
+  restore it and replay the accepted tokens after (as ``pyfast.spec.decoder`` does).
 * **Output** goes back to the event loop in one ``call_soon_threadsafe`` per step, as
   :class:`Event` objects on each request's ``asyncio.Queue``.
 """
@@ -26,6 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pyfast.memory.recurrent import RollbackError
 from pyfast.sampling import Sampler, SamplingParams
 from pyfast.server.metrics import ServerMetrics
 from pyfast.server.spec import SpecConfig, Speculator, build_proposers
@@ -51,6 +64,10 @@ class EngineConfig:
     max_queue: int = 256         # requests waiting for a slot before new ones get 503
     alias: str | None = None     # model id served by /v1/models (default: the file's stem)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    n_ubatch: int = 512          # micro-batch size of the context (raised to n_rollback + 1)
+    n_checkpoints: int = 8       # hybrid models: context checkpoints kept per slot (0 = none)
+    n_rollback: int | None = None  # hybrid models: snapshot planes (None = the draft limit; fewer
+                                   # save memory, longer drafts then save/restore/replay instead)
 
     def validate(self) -> "EngineConfig":
         if self.n_parallel < 1:
@@ -59,6 +76,12 @@ class EngineConfig:
             raise ValueError(f"--ctx-size {self.n_ctx} is too small for {self.n_parallel} slots")
         if self.n_batch < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.n_batch}")
+        if self.n_ubatch < 1:
+            raise ValueError(f"--ubatch-size must be >= 1, got {self.n_ubatch}")
+        if self.n_checkpoints < 0:
+            raise ValueError(f"--ctx-checkpoints must be >= 0, got {self.n_checkpoints}")
+        if self.n_rollback is not None and self.n_rollback < 0:
+            raise ValueError(f"n_rollback must be >= 0, got {self.n_rollback}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.n_threads is not None and self.n_threads < 1:
@@ -134,6 +157,7 @@ class Job:
         self.history: list[int] = []
         self.out: list[int] = []
         self.n_fed = 0             # prompt tokens in the slot's cache
+        self.ckpt_at: list[int] = []  # hybrid: prompt positions to checkpoint at (ascending, > n_fed)
         self.last: int | None = None  # last sampled token (not yet decoded)
         self.text = ""
         self.emitted = 0
@@ -142,12 +166,23 @@ class Job:
         self.t_last_token = 0.0
 
 
+@dataclass
+class Checkpoint:
+    """A slot's recurrent state after its first ``n_tokens`` tokens (no KV rows: restoring it
+    truncates the slot's KV cache to ``n_tokens``, whose rows are still those tokens' rows)."""
+
+    n_tokens: int
+    state: object      # pyfast.memory.hybrid.SeqState saved with kv=False
+    nbytes: int
+
+
 class Slot:
     def __init__(self, sid: int):
         self.id = sid
         self.tokens: list[int] = []   # the tokens sequence `id` holds in the KV cache
         self.job: Job | None = None
         self.last_used = 0.0
+        self.checkpoints: list[Checkpoint] = []  # hybrid models: ascending n_tokens, all <= len(tokens)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -193,21 +228,37 @@ class Engine:
             log.warning("chat template unusable: %s", e)
         self.n_vocab = self.model.n_vocab
         self.n_ctx_slot = cfg.n_ctx // cfg.n_parallel
-        # Continuous batching meets many batch shapes; keep more plans than single-sequence
-        # decoding needs, but bounded (a prompt-sized plan holds tens of MB of activations).
-        self.ctx = Context(self.model, n_ctx=self.n_ctx_slot * cfg.n_parallel, n_threads=cfg.n_threads,
-                           max_plans=64)
-        self.slots = [Slot(i) for i in range(cfg.n_parallel)]
+        n_ctx = self.n_ctx_slot * cfg.n_parallel
         if proposers is None:
-            proposers = build_proposers(cfg.spec, self.model, self.ctx.n_ctx, cfg.n_threads)
+            proposers = build_proposers(cfg.spec, self.model, n_ctx, cfg.n_threads)
         self.spec: Speculator | None = None
         if proposers:
             self.spec = Speculator(proposers, self.n_vocab, cfg.spec.n_max, cfg.spec.n_min, cfg.spec.p_min)
-            self.ctx.max_plans += 2 * self.spec.max_draft  # verify batches come in more sizes
         self.spec_enabled = self.spec is not None
+        max_draft = self.spec.max_draft if self.spec is not None else 0
+        # Hybrid models: one recurrent state slot per server slot (sequence ids are the slot
+        # indices, nothing else), and one snapshot plane per draft token so that a rejected draft
+        # rolls back without a copy (fewer planes with cfg.n_rollback: longer drafts then save,
+        # restore and replay). Each plane costs a full recurrent state per slot.
+        self.is_recurrent = bool(self.model.is_recurrent)
+        n_rollback = 0
+        if self.is_recurrent and max_draft:
+            n_rollback = max_draft if cfg.n_rollback is None else min(cfg.n_rollback, max_draft)
+        self.n_checkpoints = cfg.n_checkpoints if self.is_recurrent else 0
+        # Continuous batching meets many batch shapes; keep more plans than single-sequence
+        # decoding needs, but bounded (a prompt-sized plan holds tens of MB of activations).
+        export_hidden = self.spec is not None and self.spec.needs_hidden  # draft-mtp reads hidden rows
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=cfg.n_threads, max_plans=64,
+                           n_ubatch=max(cfg.n_ubatch, n_rollback + 1), n_seq_max=cfg.n_parallel,
+                           n_rollback=n_rollback, export_hidden=export_hidden)
+        self.ctx.max_plans += 2 * max_draft  # verify batches come in more sizes
+        if self.spec is not None:
+            self.spec.bind_target(self.ctx)
+        self.slots = [Slot(i) for i in range(cfg.n_parallel)]
         self._to_end: list[int] = []  # slots whose request ended: proposers get end() after the step
         self.metrics = ServerMetrics()
         self.metrics.slots_total.set(cfg.n_parallel)
+        self._ckpt_bytes = 0
         self.model_id = cfg.alias or _model_stem(self.model_path)
         self.created = int(time.time())
         self._cv = threading.Condition()
@@ -300,8 +351,7 @@ class Engine:
                 for s in active or self.slots:
                     if s.job is not None:
                         self._fail(s.job, f"internal error: {type(e).__name__}: {e}", 500)
-                    self.ctx.remove_seq(s.id)
-                    s.tokens = []
+                    self._reset_slot(s)
             self._flush()
 
     def _drop_cancelled(self) -> None:
@@ -317,9 +367,12 @@ class Engine:
         self.metrics.queue_depth.set(len(self._waiting))
 
     def _end_sequences(self) -> None:
-        if self.spec is not None:
-            for sid in self._to_end:
+        for sid in self._to_end:
+            if self.spec is not None:
                 self.spec.end(sid)
+            s = self.slots[sid]
+            if s.job is None:  # the reply's end: where the next turn of a conversation branches
+                self._checkpoint(s)
         self._to_end.clear()
 
     def _admit(self) -> None:
@@ -331,24 +384,116 @@ class Engine:
             job = self._waiting.popleft()
             best, best_key = None, None
             for s in free:
-                key = (common_prefix(s.tokens, job.prompt), -s.last_used)
+                key = (self._usable_prefix(s, job.prompt, common_prefix(s.tokens, job.prompt)), -s.last_used)
                 if best_key is None or key > best_key:
                     best, best_key = s, key
-            self._start(best, job, best_key[0])
+            self._start(best, job, common_prefix(best.tokens, job.prompt))
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.slots_busy.set(self.n_busy)
+
+    # --- the prompt cache ------------------------------------------------------------------
+    def _usable_prefix(self, slot: Slot, prompt: list[int], lcp: int) -> int:
+        """How many of the slot's cached tokens a prompt sharing ``lcp`` of them can keep."""
+        want = min(lcp, len(prompt) - 1)  # decode at least one token for its logits
+        held = len(slot.tokens)
+        if not self.is_recurrent or want >= held or held - want <= self.ctx.can_rollback(slot.id):
+            return want
+        cp = self._checkpoint_before(slot, want)
+        return cp.n_tokens if cp is not None else 0
+
+    def _checkpoint_before(self, slot: Slot, n: int) -> Checkpoint | None:
+        """The newest checkpoint of the slot holding at most ``n`` tokens."""
+        best = None
+        for cp in slot.checkpoints:
+            if cp.n_tokens <= n:
+                best = cp
+        return best
 
     def _reuse_prefix(self, slot: Slot, prompt: list[int], lcp: int) -> int:
         """Keep the first ``n_keep`` cached tokens of the slot for this prompt; returns n_keep.
 
-        A KV cache truncates to any length. Memory that cannot (recurrent / hybrid models) will
-        restore the newest context checkpoint at or before ``lcp`` here and replay from it
-        (algorithms.md §2.7); until such memory exists the KV path is the only one."""
-        n_keep = min(lcp, len(prompt) - 1)  # decode at least one token for its logits
-        if len(slot.tokens) > n_keep:
-            self.ctx.truncate(slot.id, n_keep)
-            del slot.tokens[n_keep:]
+        A KV cache truncates to any length. Recurrent state (hybrid models) continues when the
+        common prefix covers all of it, rolls back through its snapshot planes when they reach,
+        and otherwise restores the newest checkpoint at or before the common prefix (the prompt
+        is then decoded from there), or starts over (algorithms.md §2.7)."""
+        want = min(lcp, len(prompt) - 1)  # decode at least one token for its logits
+        n_keep = self._rewind(slot, want)
+        if want > n_keep:
+            self.metrics.prompt_tokens_reprocessed.inc(want - n_keep)
         return n_keep
+
+    def _rewind(self, slot: Slot, n: int) -> int:
+        """Make the slot's sequence hold (a prefix of) its first ``n`` tokens; returns how many
+        it holds: ``n`` unless recurrent state had to go back to a checkpoint or to nothing."""
+        if len(slot.tokens) <= n:
+            return len(slot.tokens)
+        try:
+            self.ctx.truncate(slot.id, n)
+        except RollbackError:
+            cp = self._checkpoint_before(slot, n)
+            n = 0
+            if cp is not None:
+                try:
+                    self.ctx.restore_state(slot.id, cp.state)
+                    n = cp.n_tokens
+                    self.metrics.checkpoints_restored.inc()
+                except Exception:  # a checkpoint that does not fit any more: start over
+                    log.exception("restoring a context checkpoint failed")
+                    n = 0
+            if n == 0:
+                self.ctx.remove_seq(slot.id)
+        del slot.tokens[n:]
+        self._drop_checkpoints(slot, n)
+        return n
+
+    # --- context checkpoints (hybrid models) -------------------------------------------------
+    def _checkpoint(self, slot: Slot) -> None:
+        """Save the slot's recurrent state as a checkpoint at its current length (no-op for
+        KV-only models, when checkpoints are off or one is already there)."""
+        n = len(slot.tokens)
+        if not self.n_checkpoints or n == 0 or (slot.checkpoints and slot.checkpoints[-1].n_tokens >= n):
+            return
+        if self.ctx.seq_len(slot.id) != n:  # never expected: do not save a state we cannot trust
+            log.warning("slot %d holds %d tokens but its sequence %d; no checkpoint", slot.id, n,
+                        self.ctx.seq_len(slot.id))
+            return
+        st = self.ctx.save_state(slot.id, kv=False)
+        rec = st.rec
+        nbytes = 0 if rec is None else int(rec.conv.nbytes + rec.ssm.nbytes)
+        slot.checkpoints.append(Checkpoint(n, st, nbytes))
+        self._ckpt_bytes += nbytes
+        self.metrics.checkpoints_created.inc()
+        while len(slot.checkpoints) > self.n_checkpoints:  # oldest first
+            self._ckpt_bytes -= slot.checkpoints.pop(0).nbytes
+        self._ckpt_gauges()
+
+    def _drop_checkpoints(self, slot: Slot, n: int) -> None:
+        """Invalidate the slot's checkpoints past its new end ``n``."""
+        keep = [cp for cp in slot.checkpoints if cp.n_tokens <= n]
+        if len(keep) != len(slot.checkpoints):
+            self._ckpt_bytes -= sum(cp.nbytes for cp in slot.checkpoints if cp.n_tokens > n)
+            slot.checkpoints = keep
+            self._ckpt_gauges()
+
+    def _ckpt_gauges(self) -> None:
+        self.metrics.checkpoints.set(sum(len(s.checkpoints) for s in self.slots))
+        self.metrics.checkpoint_bytes.set(self._ckpt_bytes)
+
+    def _reset_slot(self, slot: Slot) -> None:
+        """Forget everything the slot's sequence holds."""
+        self.ctx.remove_seq(slot.id)
+        slot.tokens = []
+        self._drop_checkpoints(slot, 0)
+
+    def _plan_checkpoints(self, job: Job, n_keep: int) -> list[int]:
+        """Prompt positions at which to checkpoint the state: shortly before the prompt's end,
+        where a later request (the same prompt again, the next turn branching) will likely
+        diverge (algorithms.md §2.7)."""
+        if not self.n_checkpoints:
+            return []
+        n = len(job.prompt)
+        at = {n - 4, n - 4 - self.ctx.n_ubatch}
+        return sorted(p for p in at if p > n_keep)
 
     def _start(self, slot: Slot, job: Job, lcp: int) -> None:
         from pyfast.tokenizer import StreamDecoder
@@ -360,6 +505,7 @@ class Engine:
         st.t_start = time.perf_counter()
         st.n_cached = n_keep
         job.n_fed = n_keep
+        job.ckpt_at = self._plan_checkpoints(job, n_keep)
         job.history = list(job.prompt)
         job.sampler = Sampler(job.params.sampling, self.n_vocab)
         job.decoder = StreamDecoder(self.tokenizer)
@@ -381,11 +527,15 @@ class Engine:
         pre: list[tuple[Slot, int, bool, int]] = []              # slot, n tokens, last chunk, out row
         gen_slots = [s for s in active if s.job.last is not None]
         drafts = self._drafts(gen_slots) if self.spec is not None and gen_slots else {}
+        saved: dict[int, object] = {}  # slot -> state before a draft longer than the rollback limit
+        limit = self.ctx.rollback_limit
         for s in gen_slots:
             job = s.job
             draft = drafts.get(s.id, [])
             fed = [job.last] + draft
             n0 = len(s.tokens)
+            if len(draft) > limit:  # recurrent state: the planes cannot remove that many tokens
+                saved[s.id] = self.ctx.save_state(s.id, kv=False)
             gen.append((s, fed, len(rows), draft))
             rows.extend(range(len(toks), len(toks) + len(fed)))
             toks.extend(fed)
@@ -399,6 +549,8 @@ class Engine:
             job = s.job
             todo = len(job.prompt) - job.n_fed
             n = min(todo, budget)
+            if job.ckpt_at:  # end the chunk where a checkpoint is due
+                n = min(n, job.ckpt_at[0] - job.n_fed)
             budget -= n
             toks.extend(job.prompt[job.n_fed:job.n_fed + n])
             pos.extend(range(job.n_fed, job.n_fed + n))
@@ -410,31 +562,40 @@ class Engine:
 
         t0 = time.perf_counter()
         logits = self.ctx.decode(toks, pos, seqs, logits=np.asarray(rows, dtype=np.int64))
+        hidden = self.ctx.last_hidden if self.ctx.export_hidden else None  # every row's, for process()
         m = self.metrics
         m.decode_seconds.inc(time.perf_counter() - t0)
         m.decode_steps.inc()
         m.batch_tokens.observe(len(toks))
 
         if self.spec is not None and pre:
-            self.spec.process("prompt", seqs[n_gen:], toks[n_gen:], pos[n_gen:])
+            self.spec.process("prompt", seqs[n_gen:], toks[n_gen:], pos[n_gen:],
+                              hidden=None if hidden is None else hidden[n_gen:])
         for s, n, last, r in pre:
             job = s.job
             s.tokens.extend(job.prompt[job.n_fed:job.n_fed + n])
             job.n_fed += n
             m.prompt_tokens_processed.inc(n)
+            if job.ckpt_at and job.n_fed >= job.ckpt_at[0]:
+                job.ckpt_at.pop(0)
+                self._checkpoint(s)
             if last:
                 job.stats.t_prompt_done = time.perf_counter()
                 self._sample(s, job, logits[r:r + 1], [])
 
         accepted: dict[int, int] = {}
+        replay: list[tuple[Slot, int, list[int]]] = []
         for s, fed, r0, draft in gen:
             job = s.job
             s.tokens.extend(fed)
-            accepted[s.id] = self._sample(s, job, logits[r0:r0 + len(fed)], draft)
+            accepted[s.id] = self._sample(s, job, logits[r0:r0 + len(fed)], draft, saved, replay)
+        if replay:
+            self._replay(replay)
         if self.spec is not None and gen:
             for sid, k in accepted.items():
                 self.spec.accept(sid, k)
-            self.spec.process("verify", seqs[:n_gen], toks[:n_gen], pos[:n_gen], accepted)
+            self.spec.process("verify", seqs[:n_gen], toks[:n_gen], pos[:n_gen], accepted,
+                              hidden=None if hidden is None else hidden[:n_gen])
         self._end_sequences()
 
     def _drafts(self, gen_slots: list[Slot]) -> dict[int, list[int]]:
@@ -453,9 +614,13 @@ class Engine:
             log.exception("drafting failed; this step runs without drafts")
             return {}
 
-    def _sample(self, s: Slot, job: Job, rows: np.ndarray, draft: list[int]) -> int:
+    def _sample(self, s: Slot, job: Job, rows: np.ndarray, draft: list[int], saved: dict | None = None,
+                replay: list | None = None) -> int:
         """Sample from each row in turn (verifying the draft), push the tokens, roll back the
-        cache to the last row whose input was confirmed. Returns the accepted draft length."""
+        cache to the last row whose input was confirmed. Returns the accepted draft length.
+
+        Recurrent state that cannot roll back that far is restored from ``saved`` (taken before
+        the decode) or a checkpoint, and the tokens to decode again go to ``replay``."""
         n_rows = 0
         accepted = 0
         tok = None
@@ -479,11 +644,50 @@ class Engine:
         # rows 0..n_rows-1 read confirmed inputs; drop the rest of the draft from the cache
         keep = len(s.tokens) - rows.shape[0] + n_rows
         if keep < len(s.tokens):
-            self.ctx.truncate(s.id, keep)
-            del s.tokens[keep:]
+            try:
+                self.ctx.truncate(s.id, keep)
+                del s.tokens[keep:]
+            except RollbackError:
+                self._restore_for_replay(s, keep, (saved or {}).get(s.id), replay)
         if not done:
             job.last = tok
         return accepted
+
+    def _restore_for_replay(self, s: Slot, keep: int, saved, replay: list | None) -> None:
+        """After a verify decode, make the slot hold its first ``keep`` tokens when its recurrent
+        state cannot roll back there: restore the state saved before the decode (else the newest
+        checkpoint, else nothing) and queue the missing tokens for one replay decode."""
+        tokens = s.tokens[:keep]
+        if saved is not None and saved.n_tokens <= keep:
+            self.ctx.restore_state(s.id, saved)
+            start = saved.n_tokens
+            self.metrics.spec_state_restores.inc()
+        else:  # never expected (drafts beyond the limit are saved first): a checkpoint or nothing
+            log.warning("slot %d: no saved state to roll back a draft; replaying from a checkpoint", s.id)
+            start = self._rewind(s, keep)
+        s.tokens = tokens[:start]
+        self._drop_checkpoints(s, start)
+        if keep > start:
+            if replay is None:
+                self._replay([(s, start, tokens[start:keep])])
+            else:
+                replay.append((s, start, tokens[start:keep]))
+
+    def _replay(self, items: list[tuple[Slot, int, list[int]]]) -> None:
+        """Decode tokens again that a restored state lacks (one batch, no logits)."""
+        toks: list[int] = []
+        pos: list[int] = []
+        seqs: list[int] = []
+        for s, start, t in items:
+            toks.extend(t)
+            pos.extend(range(start, start + len(t)))
+            seqs.extend([s.id] * len(t))
+        t0 = time.perf_counter()
+        self.ctx.decode(toks, pos, seqs, logits="none")
+        self.metrics.decode_seconds.inc(time.perf_counter() - t0)
+        self.metrics.spec_replayed_tokens.inc(len(toks))
+        for s, start, t in items:
+            s.tokens.extend(t)
 
     def _push(self, job: Job, tok: int, row: np.ndarray) -> bool:
         """Add one sampled token to a job's output; True when the job is finished."""

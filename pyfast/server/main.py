@@ -20,6 +20,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-b", "--batch-size", type=int, default=512,
                    help="most prompt tokens decoded in one scheduler step (all slots together)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512,
+                   help="micro-batch size of the decode (default 512; raised to --draft-max + 1 on hybrid models)")
+    p.add_argument("--ctx-checkpoints", type=int, default=8,
+                   help="hybrid (recurrent) models: context checkpoints kept per slot, so a request that "
+                        "shares only part of a slot's cached conversation resumes from the newest one before "
+                        "the divergence instead of from scratch (default 8, 0 = off)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait for a slot; more get 503 (default 256)")
     p.add_argument("--api-key", action="append", default=[],
@@ -66,7 +72,8 @@ def serve_from_args(a: argparse.Namespace) -> int:
     keys = read_api_keys(a.api_key, a.api_key_file)
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(levelname)s: %(message)s")
     cfg = EngineConfig(model=a.model, n_parallel=a.parallel, n_ctx=a.ctx_size, n_threads=a.threads,
-                       n_batch=a.batch_size, max_queue=a.max_queue, alias=a.alias,
+                       n_batch=a.batch_size, n_ubatch=a.ubatch_size, n_checkpoints=a.ctx_checkpoints,
+                       max_queue=a.max_queue, alias=a.alias,
                        spec=SpecConfig(spec_type=a.spec_type, n_max=a.draft_max, n_min=a.draft_min,
                                        p_min=a.draft_p_min, draft_model=a.model_draft))
     engine = Engine(cfg)

@@ -149,11 +149,27 @@ class ServerMetrics:
                                             "prompt tokens reused from a slot's cache (not recomputed)")
         self.prompt_tokens_processed = Counter(r, p + "prompt_tokens_processed_total",
                                                "prompt tokens decoded (computed)")
+        self.prompt_tokens_reprocessed = Counter(
+            r, p + "prompt_tokens_reprocessed_total",
+            "prompt tokens that matched a slot's cache but were decoded again (hybrid models: recurrent "
+            "state restored from a context checkpoint before them, or reset)")
+        self.checkpoints_created = Counter(r, p + "checkpoints_created_total",
+                                           "context checkpoints saved (hybrid models' recurrent state)")
+        self.checkpoints_restored = Counter(r, p + "checkpoints_restored_total",
+                                            "context checkpoints restored for a new request's prompt")
+        self.checkpoints = Gauge(r, p + "checkpoints", "context checkpoints held, all slots together")
+        self.checkpoint_bytes = Gauge(r, p + "checkpoint_bytes", "host memory held by context checkpoints")
         self.generation_tokens = Counter(r, p + "generation_tokens_total", "generated (completion) tokens")
         self.decode_steps = Counter(r, p + "decode_steps_total", "batched decode steps run by the scheduler")
         self.decode_seconds = Counter(r, p + "decode_seconds_total", "wall time spent inside batched decodes")
         self.spec_drafted = Counter(r, p + "spec_draft_tokens_total", "speculative draft tokens verified")
         self.spec_accepted = Counter(r, p + "spec_accepted_tokens_total", "speculative draft tokens accepted")
+        self.spec_state_restores = Counter(
+            r, p + "spec_state_restores_total",
+            "verify decodes rolled back by restoring the saved recurrent state (draft longer than the "
+            "snapshot planes reach)")
+        self.spec_replayed_tokens = Counter(r, p + "spec_replayed_tokens_total",
+                                            "accepted tokens decoded again after such a restore")
         self.spec_acceptance = Gauge(r, p + "spec_acceptance_rate", "accepted / drafted draft tokens since start")
         self.queue_depth = Gauge(r, p + "queue_depth", "requests waiting for a slot")
         self.slots_busy = Gauge(r, p + "slots_busy", "slots running a request")

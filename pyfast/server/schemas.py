@@ -51,6 +51,7 @@ class _Sampling(_Strict):
     repeat_penalty: Optional[Annotated[float, Field(gt=0.0)]] = None
     repeat_last_n: Optional[Annotated[int, Field(ge=-1)]] = None
     seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
     stop: Stop = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False

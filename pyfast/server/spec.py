@@ -10,14 +10,20 @@ implements), with the slot index as the sequence id::
     accept(seq, k, other)                   after verification (other=True: another proposer
                                             drafted, or none did)
     process(DecodeBatch)                    after every decode: "prompt" rows (prompt chunks)
-                                            and "verify" rows (last token + draft per slot)
+                                            and "verify" rows (last token + draft per slot),
+                                            with the target's hidden rows of exactly those
+                                            tokens in ``.hidden`` when a proposer needs them
+                                            (draft-mtp: the context then exports them)
     end(seq)                                the request left the slot
 
 Per step, each generating slot's draft goes after its last sampled token in the same batched
 decode as every other slot and every prompt chunk (logits on all its rows). The request's own
 sampler then samples row by row and stops at the first token that differs from the draft
 (algorithms.md §0.1): the output is exactly what plain decoding gives, greedy or seeded. The
-slot's KV cache is truncated after the last accepted draft token.
+slot's KV cache is truncated after the last accepted draft token. Hybrid (recurrent) models roll
+back through snapshot planes (one per draft token, ``Context(n_rollback=...)``); a draft longer
+than they reach has the state saved before the decode and restored, with the accepted tokens
+decoded again, after it (``Engine._restore_for_replay``).
 
 Several proposers are asked in order until one drafts (cheap n-gram ones first, §0.3).
 ``--spec-type`` names come from :func:`register_drafter` or, failing that, from
@@ -56,6 +62,7 @@ class DecodeBatch:
     tokens: np.ndarray
     positions: np.ndarray
     n_accepted: dict[int, int] | None = None
+    hidden: np.ndarray | None = None   # the target's hidden rows of these tokens (export_hidden)
 
 
 @dataclass
@@ -190,11 +197,24 @@ class Speculator:
         for p in self.proposers:
             p.accept(seq, n_accepted, other=p is not w)
 
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether a proposer (draft-mtp) reads the target's hidden rows: the target Context must
+        then export them (``export_hidden=True``) and process() gets them."""
+        return any(getattr(p, "needs_hidden", False) for p in self.proposers)
+
+    def bind_target(self, ctx) -> None:
+        """Give hidden-carry proposers the target context (as pyfast.spec's SpecDecoder does)."""
+        for p in self.proposers:
+            bind = getattr(p, "bind_target", None)
+            if bind is not None:
+                bind(ctx)
+
     def process(self, kind: str, seqs: Sequence[int], toks: Sequence[int], pos: Sequence[int],
-                n_accepted: dict[int, int] | None = None) -> None:
+                n_accepted: dict[int, int] | None = None, hidden: np.ndarray | None = None) -> None:
         if not self.proposers or not len(toks):
             return
         batch = DecodeBatch(kind, np.asarray(seqs, dtype=np.int32), np.asarray(toks, dtype=np.int32),
-                            np.asarray(pos, dtype=np.int32), n_accepted)
+                            np.asarray(pos, dtype=np.int32), n_accepted, hidden)
         for p in self.proposers:
             p.process(batch)

@@ -16,7 +16,8 @@ from pyfast.spec.base import Proposer
 if TYPE_CHECKING:
     from pyfast.models import Model
 
-SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "draft-model")
+SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "draft-model", "draft-mtp")
+MODEL_TYPES = ("draft-model", "draft-mtp")  # drafters that run a model per draft token (default draft-max 3)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SpecConfig:
                   instances. A draft_model adds "draft-model" when it is not listed. None: just
                   "draft-model" when a draft_model is given, else "ngram-simple".
     draft_model:  GGUF path (or Model) of the drafter for "draft-model".
+                  "draft-mtp" needs no file: it drafts with the target's own MTP (nextn) layers.
     draft_max:    longest draft (CLI --draft-max); None = each proposer's default (16 for n-gram,
                   3 for the draft model). With adaptive=True the upper bound of the chosen length.
     draft_min:    discard shorter drafts (--draft-min); None = each proposer's default.
@@ -82,7 +84,8 @@ class SpecConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"SpecConfig.{name} must be an integer, got {v!r}")
         if self.draft_max is not None and self.draft_max < 1:
-            what = ("a model drafter (draft-model) needs" if "draft-model" in seen
+            model = [t for t in MODEL_TYPES if t in seen]
+            what = (f"a model drafter ({', '.join(model)}) needs" if model
                     else "speculative decoding needs")
             raise ValueError(f"--draft-max must be >= 1, got {self.draft_max}: {what} drafts of at least "
                              "one token (turn speculation off by not giving --spec-type / -md)")
@@ -99,7 +102,7 @@ class SpecConfig:
             raise ValueError(f"draft_threads must be >= 1, got {self.draft_threads}")
         if n_ctx is not None:
             longest = self.draft_max if self.draft_max is not None else max(
-                [16 if t != "draft-model" else 3 for t in types if isinstance(t, str)]
+                [3 if t in MODEL_TYPES else 16 for t in types if isinstance(t, str)]
                 + [t.default_n_max for t in types if isinstance(t, Proposer)])
             if longest + 1 >= n_ctx:
                 raise ValueError(f"--draft-max {longest} does not fit the context size {n_ctx}: a verify "
@@ -115,7 +118,9 @@ class SpecConfig:
 
 
 def make_proposers(cfg: SpecConfig, target: "Model", n_ctx: int, n_threads: int | None = None) -> list[Proposer]:
-    """Instantiate the configured proposers in order (loads and checks the draft model)."""
+    """Instantiate the configured proposers in order (loads and checks the draft model; draft-mtp
+    checks the target's MTP layers). Create the target Context with
+    ``export_hidden=needs_hidden(proposers)``."""
     from pyfast.spec.ngram import NgramMapK, NgramMod, NgramSimple
 
     cfg.validate(n_ctx)
@@ -138,4 +143,14 @@ def make_proposers(cfg: SpecConfig, target: "Model", n_ctx: int, n_threads: int 
             if not isinstance(dm, Model):
                 dm = Model(resolve_model(str(dm), quiet=True))
             out.append(DraftModelProposer(dm, target, n_ctx=n_ctx, n_threads=cfg.draft_threads or n_threads))
+        elif t == "draft-mtp":
+            from pyfast.spec.mtp import MTPProposer
+
+            out.append(MTPProposer(target, n_ctx=n_ctx, n_threads=n_threads))
     return out
+
+
+def needs_hidden(proposers) -> bool:
+    """Whether any proposer consumes the target's hidden rows (draft-mtp): the target Context
+    must then be created with export_hidden=True (and only then: the export costs a copy)."""
+    return any(getattr(p, "needs_hidden", False) for p in proposers or ())

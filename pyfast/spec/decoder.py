@@ -10,6 +10,11 @@ Per round and sequence (``algorithms.md`` §0.1): the sequence has ``n`` tokens,
 4. truncate the target's cache to ``n_past + k + 1`` tokens, tell the winning proposer
    ``accept(k)`` and the others ``accept(k, other=True)``, then ``process`` the batch.
 
+Recurrent targets roll back only ``ctx.rollback_limit`` tokens (snapshot planes). A draft longer
+than that has the sequence's state saved before the verify decode; when the truncation then
+raises ``RollbackError``, the saved state is restored and the kept tokens ``[id_last, d1..dk]``
+are decoded again (one replay decode for all such sequences, no logits).
+
 A sequence without a draft just decodes ``[id_last]``: plain decoding is the N = 0 case, and a
 decoder without proposers is a plain multi-sequence decoder. The server reuses this class: one
 ``Slot`` per request, ``step`` over the active slots.
@@ -22,6 +27,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from pyfast.memory.kv_cache import KVCacheFull
+from pyfast.memory.recurrent import RollbackError
 from pyfast.sampling import Sampler
 from pyfast.spec.adaptive import AdaptiveController, CostModel
 from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, Proposer
@@ -86,6 +92,10 @@ class SpecDecoder:
                 raise ValueError("speculative decoding needs a memory that can remove trailing tokens; "
                                  "this model's cannot")
             self.n_max = int(min(self.n_max, rollback))
+        for p in self.proposers:  # hidden-carry proposers (draft-mtp) read the target's exported rows
+            bind = getattr(p, "bind_target", None)
+            if bind is not None:
+                bind(ctx)
         self.stats = SpecStats()  # cumulative over every slot and request
         self.slots: dict[int, Slot] = {}
         self.adaptive: AdaptiveController | None = None
@@ -116,7 +126,10 @@ class SpecDecoder:
         for p in self.proposers:
             p.end(slot.seq)
         if n_keep is not None:
-            self.ctx.truncate(slot.seq, n_keep)
+            try:
+                self.ctx.truncate(slot.seq, n_keep)
+            except RollbackError:  # recurrent state cannot go back that far: drop the sequence
+                self.ctx.remove_seq(slot.seq)
         self.slots.pop(slot.seq, None)
 
     def calibrate(self) -> None:
@@ -239,18 +252,29 @@ class SpecDecoder:
             pos[o: o + m] = np.arange(s.n - 1, s.n - 1 + m, dtype=np.int32)
             seqs[o: o + m] = s.seq
             o += m
+        # a draft longer than the memory can roll back: keep the state to restore (recurrent only)
+        limit = getattr(ctx, "rollback_limit", float("inf"))
+        saved = {s.seq: ctx.save_state(s.seq, kv=False) for s, m in zip(slots, lens) if m - 1 > limit}
         logits = ctx.decode(toks, positions=pos, seq_ids=seqs, logits="all")
+        hidden = getattr(ctx, "last_hidden", None)  # the verify rows' (export_hidden), for process()
 
         out: list[list[int]] = []
         accepted: dict[int, int] = {}
+        replay: list[np.ndarray] = []
         o = 0
         for s, d, w, key, m in zip(slots, drafts, winners, keys, lens):
             res = verify(logits[o: o + m], d.tokens if d is not None else _EMPTY, s.sampler, s.tokens,
                          d.probs if d is not None else None)
-            o += m
             k = res.n_accepted
             if k < m - 1:
-                ctx.truncate(s.seq, s.n + k)  # keep id_last and the k accepted tokens
+                try:
+                    ctx.truncate(s.seq, s.n + k)  # keep id_last and the k accepted tokens
+                except RollbackError:
+                    if s.seq not in saved:
+                        raise
+                    ctx.restore_state(s.seq, saved[s.seq])  # back to n_past, then replay the kept rows
+                    replay.append(np.arange(o, o + k + 1))
+            o += m
             s._push(res.tokens)
             accepted[s.seq] = k
             name = w.name if w is not None else None
@@ -261,6 +285,11 @@ class SpecDecoder:
             if self.adaptive is not None and w is not None:
                 self.adaptive.update(s.estimates, key, m - 1, k)
             out.append(res.tokens)
+        if replay:
+            r = np.concatenate(replay)
+            ctx.decode(toks[r], positions=pos[r], seq_ids=seqs[r], logits="none")
+            if hidden is not None:
+                ctx.last_hidden = hidden
         batch = DecodeBatch("verify", seqs, toks, pos, accepted)
         for p in self.proposers:
             p.process(batch)

@@ -43,8 +43,10 @@ class VerifyResult:
 
 
 def has_penalties(p: SamplingParams) -> bool:
-    return p.repeat_last_n != 0 and (
-        p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+    """True when the logits are modified before sampling (penalties or a logit bias), so the greedy
+    shortcut (argmax of the raw rows) does not apply."""
+    return bool(p.logit_bias) or (p.repeat_last_n != 0 and (
+        p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0))
 
 
 def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.ndarray,

@@ -38,6 +38,16 @@ ACCEPTS = {
     "reshape": {0: {F32, F16, BF16, I32, *QUANTS}},
     "view": {0: {F32, F16, BF16, I32, *QUANTS}},
     "permute": {0: {F32, F16, BF16, I32}},
+    "sigmoid": {0: {F32}},
+    "softplus": {0: {F32}},
+    "l2_norm": {0: {F32}},
+    "concat": {0: {F32}, 1: {F32}},
+    "sum": {0: {F32}},
+    "topk": {0: {F32}},
+    "gather": {0: {F32}, 1: {I32}},
+    "matmul_id": {0: {F32}, 1: set(WEIGHT_TYPES), 2: {I32}},
+    "ssm_conv": {0: {F32}, 1: {F32}, 2: {F32}, 3: {I32}},
+    "gated_delta_net": {0: {F32}, 1: {F32}, 2: {F32}, 3: {F32}, 4: {F32}, 5: {F32}, 6: {I32}},
 }
 
 
@@ -259,6 +269,9 @@ def _cases() -> list[Case]:
         Case("argmax", (Arg((3, 4, 33), normal(1.0, -50.0), layout=padded((1, 1, 4), step=2)),), tol=EXACT),
     ]
 
+    C += _moe_cases()
+    C += _recurrent_cases()
+
     # ---- view ops (no kernel: the output is read through the view's strides) -------------------
     C += [
         Case("reshape", (Arg((3, 7, 11)),), {"shape": (21, 11)}, tol=EXACT),
@@ -296,6 +309,184 @@ def _cases() -> list[Case]:
         Case("permute", (Arg((3, 4), I32, ints(-5, 5)),), {"axes": (1, 0)}, tol=EXACT),
     ]
     return C
+
+
+
+def _with_nans(p: float = 0.2, infs: bool = True):
+    """normal values with NaN (and +-inf) sprinkled in: topk's NaN / inf ordering."""
+    import numpy as np
+
+    def gen(rng, shape):
+        x = rng.standard_normal(shape).astype(np.float32)
+        u = rng.random(shape)
+        x[u < p] = np.nan
+        if infs:
+            x[(u >= p) & (u < p + 0.05)] = np.inf
+            x[(u >= p + 0.05) & (u < p + 0.1)] = -np.inf
+        return x
+
+    return gen
+
+
+def _moe_cases() -> list[Case]:
+    """sigmoid, softplus, l2_norm, concat, sum, topk, gather, matmul_id."""
+    C: list[Case] = []
+    # ---- sigmoid / softplus (softplus returns x itself above 20, as torch) -------------------
+    edge = [-100.0, -89.0, -20.0, -1e-3, 0.0, 1e-3, 19.9, 20.0, 20.1, 30.0, 89.0, 100.0]
+    for op in ("sigmoid", "softplus"):
+        C += [
+            Case(op, (Arg((7, 33), normal(10.0)),)),
+            Case(op, (Arg((1,), F32, fixed([-2.5])),)),
+            Case(op, (Arg((12,), F32, fixed(edge)),), label="edges"),
+            Case(op, (Arg((2, 3, 65), normal(3.0)),)),
+            Case(op, (Arg((5, 7), layout=permuted(1, 0)),)),
+            Case(op, (Arg((3, 33), normal(8.0), layout=padded((1, 2), step=2)),)),
+        ]
+    # ---- l2_norm ------------------------------------------------------------------------------
+    C += [
+        Case("l2_norm", (Arg((1, 1)),), {"eps": 1e-6}),
+        Case("l2_norm", (Arg((7, 33)),), {"eps": 1e-6}),
+        Case("l2_norm", (Arg((3, 65), normal(10.0, 3.0)),), {"eps": 0.0}),
+        Case("l2_norm", (Arg((2, 5, 128)),), {"eps": 1e-6}),
+        Case("l2_norm", (Arg((4, 3), F32, fixed([0.0] * 3 + [1e-4] * 3 + [3.0, -4.0, 0.0] + [1e-20] * 3)),),
+             {"eps": 1e-6}, label="zero_tiny_rows"),
+        Case("l2_norm", (Arg((7, 33), layout=permuted(1, 0)),), {"eps": 1e-6}),
+        Case("l2_norm", (Arg((4, 3, 17), layout=padded((1, 2, 4))),), {"eps": 1e-5}),
+        Case("l2_norm", (Arg((5, 8), normal(1e-3)),), {"eps": 1e-2}),
+    ]
+    # ---- concat ---------------------------------------------------------------------------------
+    C += [
+        Case("concat", (Arg((7, 33)), Arg((7, 5))), {"axis": -1}, tol=EXACT),
+        Case("concat", (Arg((3, 33)), Arg((4, 33))), {"axis": 0}, tol=EXACT),
+        Case("concat", (Arg((1,)), Arg((7,))), {"axis": 0}, tol=EXACT),
+        Case("concat", (Arg((2, 3, 65)), Arg((2, 1, 65))), {"axis": 1}, tol=EXACT),
+        Case("concat", (Arg((2, 3, 4, 7)), Arg((2, 3, 1, 7))), {"axis": -2}, tol=EXACT),
+        Case("concat", (Arg((2, 1, 4, 7)), Arg((2, 2, 4, 7))), {"axis": 1}, tol=EXACT),
+        Case("concat", (Arg((3, 4, 5)), Arg((3, 4, 2))), {"axis": 2}, tol=EXACT),
+        Case("concat", (Arg((5, 7), layout=permuted(1, 0)), Arg((5, 3), layout=padded((2, 3), step=2))),
+             {"axis": 1}, tol=EXACT),
+        Case("concat", (Arg((3, 2, 9), layout=permuted(1, 0, 2)), Arg((3, 1, 9), layout=padded((1, 1, 2)))),
+             {"axis": 1}, tol=EXACT),
+        Case("concat", (Arg((6, 33), layout=padded((1, 3))), Arg((1, 33), layout=permuted(1, 0))),
+             {"axis": 0}, tol=EXACT),
+    ]
+    # ---- sum (the MoE combine: [T, k, N] summed over k) --------------------------------------------
+    C += [
+        Case("sum", (Arg((7, 33)),), {"axis": -1}),
+        Case("sum", (Arg((7, 33)),), {"axis": 0}),
+        Case("sum", (Arg((65,)),), {"axis": 0}),
+        Case("sum", (Arg((1, 1)),), {"axis": 1}),
+        Case("sum", (Arg((3, 8, 130)),), {"axis": 1}),
+        Case("sum", (Arg((2, 3, 5, 7)),), {"axis": 2}),
+        Case("sum", (Arg((2, 3, 5, 7)),), {"axis": 0}),
+        Case("sum", (Arg((3, 1000), normal(1.0, 2.0)),), {"axis": -1}),
+        Case("sum", (Arg((65, 70)),), {"axis": 0}),
+        Case("sum", (Arg((33, 7), layout=permuted(1, 0)),), {"axis": -1}),
+        Case("sum", (Arg((5, 6, 7), layout=permuted(2, 0, 1)),), {"axis": 1}),
+        Case("sum", (Arg((4, 3, 17), layout=padded((1, 2, 4), step=2)),), {"axis": 1}),
+        Case("sum", (Arg((4, 3, 17), layout=padded((1, 2, 4))),), {"axis": -1}),
+    ]
+    # ---- topk (largest first; ties: lower index; NaN below everything) -----------------------------
+    C += [
+        Case("topk", (Arg((7, 64)),), {"k": 8}, tol=EXACT),
+        Case("topk", (Arg((1, 1)),), {"k": 1}, tol=EXACT),
+        Case("topk", (Arg((33,)),), {"k": 33}, tol=EXACT),
+        Case("topk", (Arg((9, 65)),), {"k": 65}, tol=EXACT),
+        Case("topk", (Arg((5, 200)),), {"k": 40}, tol=EXACT),
+        Case("topk", (Arg((9, 33), F32, choice([-1.0, 0.0, 2.0])),), {"k": 7}, tol=EXACT, label="ties"),
+        Case("topk", (Arg((9, 65), F32, choice([-1.0, 0.0, 2.0])),), {"k": 50}, tol=EXACT, label="ties_k50"),
+        Case("topk", (Arg((2, 8), F32, fixed([0.0, -0.0, 1.0, -0.0, 0.0, -1.0, 1.0, 0.0] * 2)),), {"k": 6},
+             tol=EXACT, label="signed_zeros"),
+        Case("topk", (Arg((9, 33), F32, _with_nans()),), {"k": 9}, tol=EXACT, label="nan_inf"),
+        Case("topk", (Arg((4, 65), F32, _with_nans(0.7)),), {"k": 60}, tol=EXACT, label="nan_inf_k60"),
+        Case("topk", (Arg((3, 5, 128)),), {"k": 8}, tol=EXACT),
+        Case("topk", (Arg((33, 7), layout=permuted(1, 0)),), {"k": 3}, tol=EXACT),
+        Case("topk", (Arg((3, 4, 65), layout=padded((1, 1, 4), step=2)),), {"k": 5}, tol=EXACT),
+    ]
+    # ---- gather (take_along_axis on the last dim) ------------------------------------------------
+    C += [
+        Case("gather", (Arg((7, 64)), Arg((7, 8), I32, ints(0, 64))), tol=EXACT),
+        Case("gather", (Arg((1, 1)), Arg((1, 1), I32, fixed([0]))), tol=EXACT),
+        Case("gather", (Arg((2, 3, 33)), Arg((2, 3, 5), I32, ints(0, 33))), tol=EXACT),
+        Case("gather", (Arg((4, 3)), Arg((4, 7), I32, ints(0, 3))), tol=EXACT),  # k > E, repeats
+        Case("gather", (Arg((33,)), Arg((65,), I32, ints(0, 33))), tol=EXACT),
+        Case("gather", (Arg((9, 7), layout=permuted(1, 0)), Arg((9, 4), I32, ints(0, 7), layout=padded((1, 3), step=2))),
+             tol=EXACT),
+        Case("gather", (Arg((3, 4, 65), layout=padded((1, 1, 4), step=2)),
+                        Arg((3, 4, 2), I32, ints(0, 65), layout=permuted(1, 0, 2))), tol=EXACT),
+    ]
+    # ---- matmul_id: out[t, j] = x[t] (or x[t, j]) @ w[ids[t, j]].T for every weight dtype ----------
+    for wt in WEIGHT_TYPES:
+        K = 256 if wt in K_QUANTS else 96 if wt in QUANT else 33
+        tol = _mm_tol(wt)
+        C += [
+            # 2-D x shared by a token's k experts; ids with repeats (also within a row)
+            Case("matmul_id", (Arg((7, K)), Arg((5, 33, K), wt, normal(0.5)), Arg((7, 3), I32, ints(0, 5))), tol=tol),
+            # 3-D x (one row per (token, slot)), odd sizes
+            Case("matmul_id", (Arg((5, 3, K)), Arg((7, 17, K), wt, normal(0.5)), Arg((5, 3), I32, ints(0, 7))), tol=tol),
+        ]
+    K8, KK = 64, 256
+    C += [
+        Case("matmul_id", (Arg((1, K8)), Arg((1, 1, K8), Q8_0), Arg((1, 1), I32, fixed([0]))), tol=TOL_QMM),
+        Case("matmul_id", (Arg((1, 1, 1)), Arg((1, 1, 1), F32), Arg((1, 1), I32, fixed([0]))), tol=TOL_F32),
+        # every row routed to one expert, > one 64-row tile of it
+        Case("matmul_id", (Arg((70, K8)), Arg((3, 33, K8), Q4_0), Arg((70, 2), I32, fixed([1] * 140))),
+             tol=TOL_QMM, label="all_to_one_q4_0"),
+        Case("matmul_id", (Arg((33, 2, KK)), Arg((4, 17, KK), Q4_K), Arg((33, 2), I32, fixed([3] * 66))),
+             tol=TOL_QMM, label="all_to_one_q4_k"),
+        Case("matmul_id", (Arg((65, 65)), Arg((2, 7, 65), F16), Arg((65, 1), I32, fixed([0] * 65))),
+             tol=TOL_F32, label="all_to_one_f16"),
+        # many tokens over many experts (several tiles; experts with none, one, many rows)
+        Case("matmul_id", (Arg((65, KK)), Arg((9, 20, KK), Q6_K), Arg((65, 4), I32, ints(0, 7))), tol=TOL_QMM),
+        Case("matmul_id", (Arg((33, 3, K8)), Arg((9, 33, K8), Q8_0), Arg((33, 3), I32, ints(0, 9))), tol=TOL_QMM),
+        # strided x / w / ids
+        Case("matmul_id", (Arg((7, K8), layout=padded((2, 32))), Arg((5, 17, K8), Q4_1, layout=padded((2, 3, 0))),
+                           Arg((7, 2), I32, ints(0, 5), layout=padded((1, 3), step=2))), tol=TOL_QMM),
+        Case("matmul_id", (Arg((5, 3, KK), layout=permuted(1, 0, 2)), Arg((4, 9, KK), Q5_K), Arg((5, 3), I32, ints(0, 4))),
+             tol=TOL_QMM),
+        Case("matmul_id", (Arg((5, 2, 37), layout=padded((1, 1, 3), start=(0, 0, 1))),
+                           Arg((3, 9, 37), BF16, layout=padded((1, 1, 1), start=(0, 1, 1))),
+                           Arg((5, 2), I32, ints(0, 3), layout=permuted(1, 0))), tol=TOL_F32),
+    ]
+    return C
+
+
+def _recurrent_cases() -> list[Case]:
+    """ssm_conv and gated_delta_net (the output; states and snapshot planes: test_recurrent.py).
+    seqs rows are (t0, n, slot, src_plane)."""
+    import numpy as np
+
+    from .harness import uniform
+
+    def unit_rows(rng, shape):  # q, k arrive L2-normalised over the key dim
+        x = rng.standard_normal(shape)
+        return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+    def seqs(rows):
+        return Arg((len(rows), 4), I32, fixed(np.array(rows, np.int32)))
+
+    def gdn(T, Hk, Hv, S, P, n_slot, rows, kda=False, qlay=CONTIG, vlay=CONTIG, **params):
+        return (Arg((T, Hk, S), unit_rows, layout=qlay), Arg((T, Hk, S), unit_rows),
+                Arg((T, Hv, S), F32, normal(), layout=vlay),
+                Arg((T, Hv, S) if kda else (T, Hv), F32, uniform(-1.0, -0.01)),
+                Arg((T, Hv), F32, uniform(0.05, 0.95)), Arg((P, n_slot, Hv, S * S), F32, normal(0.3)), seqs(rows))
+
+    tol = Tol(1e-9, 1e-4)  # a recurrence over up to 65 f32 tokens vs float64
+    return [
+        Case("ssm_conv", (Arg((7, 33), layout=padded((2, 5))), Arg((33, 4)), Arg((3, 2, 3, 33)),
+                          seqs([[0, 2, 1, 0], [2, 5, 0, 2]])), label="two_segments"),
+        # taps read through a permuted view; tokens 0 and 2 in no segment (-> 0); an empty segment
+        Case("ssm_conv", (Arg((9, 70)), Arg((70, 4), layout=permuted(1, 0)), Arg((4, 3, 3, 70)),
+                          seqs([[1, 1, 2, 3], [3, 6, 0, 0], [2, 0, 1, 1]])), label="gaps_strided_w"),
+        Case("ssm_conv", (Arg((65, 1)), Arg((1, 2)), Arg((2, 1, 1, 1)), seqs([[0, 65, 0, 1]])), label="c1_k2"),
+        Case("gated_delta_net", gdn(7, 2, 4, 16, 2, 3, [[0, 3, 2, 1], [3, 4, 0, 0]]), {"broadcast": 1},
+             tol=tol, label="gda_serial_interleaved"),
+        Case("gated_delta_net", gdn(33, 1, 2, 32, 3, 2, [[0, 20, 1, 2], [20, 13, 0, 0]], kda=True,
+                                    qlay=permuted(1, 0, 2), vlay=padded((1, 1, 0))), {"chunk_min": 8},
+             tol=tol, label="kda_chunked_strided"),
+        Case("gated_delta_net", gdn(65, 1, 2, 20, 2, 1, [[0, 65, 0, 1]]), {"chunk_min": 1, "scale": 0.3},
+             tol=tol, label="gda_chunked_s20"),
+    ]
 
 
 CASES: list[Case] = _cases()

@@ -629,6 +629,137 @@ OPS: dict[str, OpSpec] = {
                       lambda v, d, axes: np.transpose(v[0], axes)),
 }
 
+# ---- activations, reductions and MoE routing (hybrid / MoE models) ----------------------------
+
+
+def sigmoid_ref(x):
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus_ref(x):
+    with np.errstate(over="ignore"):
+        return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def topk_ref(a, k):
+    """Indices of the k largest along the last dim, largest first; ties -> lower index first;
+    NaN ranks below every number (NaNs among themselves by index)."""
+    rows = a.reshape(-1, a.shape[-1])
+    idx = np.arange(a.shape[-1])
+    out = np.empty((rows.shape[0], k), np.int64)
+    for r, row in enumerate(rows):
+        nan = np.isnan(row)
+        key = np.where(nan, 0.0, -row)  # -(-0.0) == 0.0: signed zeros tie
+        out[r] = np.lexsort((idx, key, nan))[:k]
+    return out.reshape(a.shape[:-1] + (k,))
+
+
+def matmul_id_ref(x, w, ids):
+    """out[t, j] = x[t] (or x[t, j]) @ w[ids[t, j]].T -> [T, k, N]."""
+    T, k = ids.shape
+    out = np.empty((T, k, w.shape[1]))
+    for t in range(T):
+        for j in range(k):
+            xr = x[t] if x.ndim == 2 else x[t, j]
+            out[t, j] = w[ids[t, j]] @ xr
+    return out
+
+
+OPS.update({
+    "sigmoid": OpSpec(lambda g, t, d: g.sigmoid(t[0]), lambda v, d: sigmoid_ref(v[0])),
+    "softplus": OpSpec(lambda g, t, d: g.softplus(t[0]), lambda v, d: softplus_ref(v[0])),
+    "l2_norm": OpSpec(lambda g, t, d, eps: g.l2_norm(t[0], eps),
+                      lambda v, d, eps: v[0] / np.sqrt(np.sum(v[0] ** 2, axis=-1, keepdims=True) + f32(eps))),
+    "concat": OpSpec(lambda g, t, d, axis: g.concat(t[0], t[1], axis),
+                     lambda v, d, axis: np.concatenate([v[0], v[1]], axis=axis)),
+    "sum": OpSpec(lambda g, t, d, axis: g.sum(t[0], axis),
+                  lambda v, d, axis: np.sum(v[0], axis=axis).reshape(
+                      tuple(n for i, n in enumerate(v[0].shape) if i != axis % v[0].ndim) or (1,))),
+    "topk": OpSpec(lambda g, t, d, k: g.topk(t[0], k), lambda v, d, k: topk_ref(v[0], k)),
+    "gather": OpSpec(lambda g, t, d: g.gather(t[0], t[1]), lambda v, d: np.take_along_axis(v[0], v[1], axis=-1)),
+    "matmul_id": OpSpec(lambda g, t, d: g.matmul_id(t[0], t[1], t[2]),
+                        lambda v, d: matmul_id_ref(v[0], v[1], v[2])),
+})
+
+
+# ---- recurrent-state ops (hybrid models): ssm_conv, gated_delta_net ------------------------------
+
+
+def ssm_conv_ref(x, w, state, seqs):
+    """ssm_conv in float64 -> (y [T, C], the state after the op). Per segment (t0, n, slot, src):
+    window = [state[src, slot] (Kc-1 rows); x[t0:t0+n]], y[t0+t] = sum_j w[:, j] * window[t+j]; then
+    plane i = window rows [n-i, n-i+Kc-1) for i < min(n, P). Tokens outside every segment give 0."""
+    T, C = x.shape
+    Kc, P = w.shape[1], state.shape[0]
+    y = np.zeros((T, C))
+    st = np.array(state, dtype=np.float64)
+    for t0, n, slot, src in np.asarray(seqs, dtype=np.int64).reshape(-1, 4):
+        if n == 0:
+            continue
+        win = np.concatenate([np.asarray(state[src, slot], np.float64), x[t0:t0 + n]], axis=0)
+        for j in range(Kc):
+            y[t0:t0 + n] += w[:, j] * win[j:j + n]
+        for i in range(min(n, P)):
+            st[i, slot] = win[n - i:n - i + Kc - 1]
+    return y, st
+
+
+def gdn_default_scale(S: int) -> float:
+    return float(np.float32(1.0) / np.sqrt(np.float32(S)))
+
+
+def gdn_ref_seq(q, k, v, g, beta, M0, scale, broadcast=0, record=()):
+    """The gated delta rule over one sequence in float64, token by token (algorithms.md §2.1).
+    q, k [n, Hk, S], v [n, Hv, S], g [n, Hv] (scalar gate) or [n, Hv, S] (per-key gate), beta
+    [n, Hv], M0 [Hv, S, S] (M[i = key][j = value]). Returns (o [n, Hv, S], {m: state after m
+    tokens for m in record})."""
+    n, Hk, S = q.shape
+    Hv = v.shape[1]
+    hk = np.arange(Hv) % Hk if broadcast == 0 else np.arange(Hv) // (Hv // Hk)
+    kda = np.ndim(g) == 3
+    M = np.array(M0, dtype=np.float64).reshape(Hv, S, S)
+    o = np.zeros((n, Hv, S))
+    states = {0: M.copy()} if 0 in record else {}
+    for t in range(n):
+        kt, qt = np.asarray(k[t], np.float64)[hk], np.asarray(q[t], np.float64)[hk]
+        d = np.exp(np.asarray(g[t], np.float64))
+        M = M * (d[:, :, None] if kda else d[:, None, None])
+        u = np.einsum("hij,hi->hj", M, kt)
+        delta = np.asarray(beta[t], np.float64)[:, None] * (v[t] - u)
+        M = M + kt[:, :, None] * delta[:, None, :]
+        o[t] = scale * np.einsum("hij,hi->hj", M, qt)
+        if t + 1 in record:
+            states[t + 1] = M.copy()
+    return o, states
+
+
+def gdn_ref(q, k, v, g, beta, state, seqs, scale=0.0, broadcast=0):
+    """gated_delta_net in float64 -> (o [T, Hv, S], the state [P, n_slot, Hv, S*S] after the op):
+    each segment starts from state[src, slot]; plane i = the state after n - i tokens."""
+    T, Hv, S = v.shape
+    P = state.shape[0]
+    sc = f32(scale) if scale > 0 else gdn_default_scale(S)
+    o = np.zeros((T, Hv, S))
+    st = np.array(state, dtype=np.float64)
+    for t0, n, slot, src in np.asarray(seqs, dtype=np.int64).reshape(-1, 4):
+        if n == 0:
+            continue
+        sl = slice(t0, t0 + n)
+        keep = [n - i for i in range(min(n, P))]
+        o[sl], states = gdn_ref_seq(q[sl], k[sl], v[sl], g[sl], beta[sl], state[src, slot], sc, broadcast, keep)
+        for i, m in enumerate(keep):
+            st[i, slot] = states[m].reshape(Hv, S * S)
+    return o, st
+
+
+OPS.update({
+    "ssm_conv": OpSpec(lambda g, t, d: g.ssm_conv(t[0], t[1], t[2], t[3]),
+                       lambda v, d: ssm_conv_ref(*v)[0]),
+    "gated_delta_net": OpSpec(lambda g, t, d, **p: g.gated_delta_net(*t, **p),
+                              lambda v, d, chunk_min=0, **p: gdn_ref(*v, **p)[0]),
+})
+
 
 def op_names() -> list[str]:
     """The ops declared in ops.def, in order."""

@@ -153,6 +153,151 @@ BAD = {
 }
 
 
+def _run_ids(build, ids, **inputs):
+    """Build an op whose ids are an input and run it with these ids on 3 and 1 threads: each run
+    must raise ValueError naming the op (never crash or read out of bounds); the first is re-raised.
+    inputs: name -> array for the other inputs."""
+
+    def fn(g):
+        ids_arr = np.asarray(ids, np.int32)
+        errs = []
+        for nt in (3, 1):
+            gg = g if nt == 3 else N.Graph()  # a graph compiles into one plan
+            gg.output(build(gg, gg.input("ids", I32, list(ids_arr.shape))), "out")
+            p = N.Plan(gg, N.ThreadPool(nt))
+            p.set_input("ids", ids_arr)
+            for name, arr in inputs.items():
+                p.set_input(name, arr)
+            try:
+                p.run()
+            except ValueError as e:
+                errs.append(e)
+        assert len(errs) == 2 and str(errs[0]) == str(errs[1]), errs
+        raise errs[0]
+    return fn
+
+
+BAD.update({
+    "sigmoid": [("a f16", lambda g: g.sigmoid(_x(g, "a", F16, [4, 8])))],
+    "softplus": [("a i32", lambda g: g.softplus(_x(g, "a", I32, [4, 8])))],
+    "l2_norm": [
+        ("a bf16", lambda g: g.l2_norm(_x(g, "a", BF16, [4, 8]), 1e-6)),
+        ("negative eps", lambda g: g.l2_norm(_x(g, "a", F32, [4, 8]), -1e-6)),
+        ("nan eps", lambda g: g.l2_norm(_x(g, "a", F32, [4, 8]), float("nan"))),
+    ],
+    "concat": [
+        ("rank differs", lambda g: g.concat(_x(g, "a", F32, [4, 8]), _x(g, "b", F32, [8]), 0)),
+        ("dims differ off axis", lambda g: g.concat(_x(g, "a", F32, [4, 8]), _x(g, "b", F32, [3, 7]), 0)),
+        ("axis out of range", lambda g: g.concat(_x(g, "a", F32, [4, 8]), _x(g, "b", F32, [4, 8]), 2)),
+        ("axis < -ndim", lambda g: g.concat(_x(g, "a", F32, [4, 8]), _x(g, "b", F32, [4, 8]), -3)),
+        ("b f16", lambda g: g.concat(_x(g, "a", F32, [4, 8]), _x(g, "b", F16, [4, 8]), 0)),
+    ],
+    "sum": [
+        ("a i32", lambda g: g.sum(_x(g, "a", I32, [4, 8]), 0)),
+        ("axis out of range", lambda g: g.sum(_x(g, "a", F32, [4, 8]), 2)),
+        ("axis < -ndim", lambda g: g.sum(_x(g, "a", F32, [4, 8]), -3)),
+    ],
+    "topk": [
+        ("a f16", lambda g: g.topk(_x(g, "a", F16, [4, 8]), 2)),
+        ("k 0", lambda g: g.topk(_x(g, "a", F32, [4, 8]), 0)),
+        ("k > n", lambda g: g.topk(_x(g, "a", F32, [4, 8]), 9)),
+    ],
+    "gather": [
+        ("ids f32", lambda g: g.gather(_x(g, "a", F32, [4, 8]), _x(g, "i", F32, [4, 2]))),
+        ("a f16", lambda g: g.gather(_x(g, "a", F16, [4, 8]), _x(g, "i", I32, [4, 2]))),
+        ("rank differs", lambda g: g.gather(_x(g, "a", F32, [4, 8]), _x(g, "i", I32, [2]))),
+        ("leading dims differ", lambda g: g.gather(_x(g, "a", F32, [4, 8]), _x(g, "i", I32, [3, 2]))),
+        ("run: id = E", _run_ids(lambda g, i: g.gather(_x(g, "a", F32, [4, 8]), i), [[0, 1]] * 3 + [[7, 8]],
+                                 a=np.ones((4, 8), np.float32))),
+        ("run: id < 0", _run_ids(lambda g, i: g.gather(_x(g, "a", F32, [4, 8]), i), [[0, -1]] + [[0, 1]] * 3,
+                                 a=np.ones((4, 8), np.float32))),
+    ],
+    "matmul_id": [
+        ("x f16", lambda g: g.matmul_id(_x(g, "x", F16, [2, 32]), _x(g, "w", F32, [4, 3, 32]), _x(g, "i", I32, [2, 2]))),
+        ("w 2-D", lambda g: g.matmul_id(_x(g, "x", F32, [2, 32]), _x(g, "w", F32, [3, 32]), _x(g, "i", I32, [2, 2]))),
+        ("w i32", lambda g: g.matmul_id(_x(g, "x", F32, [2, 32]), _x(g, "w", I32, [4, 3, 32]), _x(g, "i", I32, [2, 2]))),
+        ("ids f32", lambda g: g.matmul_id(_x(g, "x", F32, [2, 32]), _x(g, "w", F32, [4, 3, 32]), _x(g, "i", F32, [2, 2]))),
+        ("ids 1-D", lambda g: g.matmul_id(_x(g, "x", F32, [2, 32]), _x(g, "w", F32, [4, 3, 32]), _x(g, "i", I32, [2]))),
+        ("K differs", lambda g: g.matmul_id(_x(g, "x", F32, [2, 33]), _x(g, "w", F32, [4, 3, 32]), _x(g, "i", I32, [2, 2]))),
+        ("K differs q8_0", lambda g: g.matmul_id(_x(g, "x", F32, [2, 32]), _x(g, "w", Q8_0, [4, 3, 64]),
+                                                 _x(g, "i", I32, [2, 2]))),
+        ("T differs", lambda g: g.matmul_id(_x(g, "x", F32, [3, 32]), _x(g, "w", F32, [4, 3, 32]), _x(g, "i", I32, [2, 2]))),
+        ("x 3-D k differs", lambda g: g.matmul_id(_x(g, "x", F32, [2, 3, 32]), _x(g, "w", F32, [4, 3, 32]),
+                                                  _x(g, "i", I32, [2, 2]))),
+        ("x inner strided", lambda g: g.matmul_id(g.permute(_x(g, "x", F32, [32, 2]), [1, 0]), _x(g, "w", F32, [4, 3, 32]),
+                                                  _x(g, "i", I32, [2, 2]))),
+        ("w inner strided", lambda g: g.matmul_id(_x(g, "x", F32, [2, 4]), g.permute(_x(g, "w", F32, [4, 4, 3]), [0, 2, 1]),
+                                                  _x(g, "i", I32, [2, 2]))),
+        ("run: id = E", _run_ids(lambda g, i: g.matmul_id(_x(g, "x", F32, [3, 32]), _x(g, "w", Q8_0, [4, 5, 32]), i),
+                                 [[0, 1], [2, 4], [3, 3]], x=np.ones((3, 32), np.float32),
+                                 w=np.zeros((4, 5, 34), np.uint8))),
+        ("run: id < 0 f16", _run_ids(lambda g, i: g.matmul_id(_x(g, "x", F32, [3, 2, 8]), _x(g, "w", F16, [4, 5, 8]), i),
+                                     [[0, 1], [2, 3], [-7, 3]], x=np.ones((3, 2, 8), np.float32),
+                                     w=np.ones((4, 5, 8), np.float16))),
+    ],
+})
+
+
+
+def _conv(g, x=(5, 8), w=(8, 4), s=(2, 3, 3, 8), q=(2, 4), xt=F32, wt=F32, st=F32, qt=I32):
+    return g.ssm_conv(_x(g, "x", xt, x), _x(g, "w", wt, w), _x(g, "s", st, s), _x(g, "q", qt, q))
+
+
+def _gdn(g, q=(5, 2, 8), k=None, v=(5, 4, 8), gate=(5, 4), b=(5, 4), s=(2, 3, 4, 64), sq=(2, 4), qt=F32, gt=F32,
+         st=F32, sqt=I32, **kw):
+    return g.gated_delta_net(_x(g, "q", qt, q), _x(g, "k", F32, k or q), _x(g, "v", F32, v), _x(g, "g", gt, gate),
+                             _x(g, "b", F32, b), _x(g, "s", st, s), _x(g, "sq", sqt, sq), **kw)
+
+
+# Bad seqs *values* are found when the op runs: test_recurrent.py checks those.
+BAD.update({
+    "ssm_conv": [
+        ("x f16", lambda g: _conv(g, xt=F16)),
+        ("x 1-D", lambda g: _conv(g, x=(8,))),
+        ("w channels differ", lambda g: _conv(g, w=(7, 4))),
+        ("w 3-D", lambda g: _conv(g, w=(1, 8, 4))),
+        ("w bf16", lambda g: _conv(g, wt=BF16)),
+        ("state window != kernel - 1", lambda g: _conv(g, s=(2, 3, 4, 8))),
+        ("state channels differ", lambda g: _conv(g, s=(2, 3, 3, 9))),
+        ("state 3-D", lambda g: _conv(g, s=(2, 3, 24))),
+        ("state f16", lambda g: _conv(g, st=F16)),
+        ("state not contiguous", lambda g: g.ssm_conv(_x(g, "x", F32, [5, 8]), _x(g, "w", F32, [8, 4]),
+                                                      g.permute(_x(g, "s", F32, [3, 2, 3, 8]), [1, 0, 2, 3]),
+                                                      _x(g, "q", I32, [2, 4]))),
+        ("seqs f32", lambda g: _conv(g, qt=F32)),
+        ("seqs 3 columns", lambda g: _conv(g, q=(2, 3))),
+        ("seqs 1-D", lambda g: _conv(g, q=(4,))),
+        ("x inner strided", lambda g: g.ssm_conv(g.permute(_x(g, "x", F32, [8, 5]), [1, 0]), _x(g, "w", F32, [8, 4]),
+                                                 _x(g, "s", F32, [2, 3, 3, 8]), _x(g, "q", I32, [2, 4]))),
+    ],
+    "gated_delta_net": [
+        ("q f16", lambda g: _gdn(g, qt=F16)),
+        ("v 2-D", lambda g: _gdn(g, v=(5, 32))),
+        ("q key dim differs", lambda g: _gdn(g, q=(5, 2, 4))),
+        ("q tokens differ", lambda g: _gdn(g, q=(6, 2, 8))),
+        ("k differs from q", lambda g: _gdn(g, k=(5, 1, 8))),
+        ("heads not a multiple", lambda g: _gdn(g, q=(5, 3, 8))),
+        ("g shape", lambda g: _gdn(g, gate=(5, 2))),
+        ("g per-key dim differs", lambda g: _gdn(g, gate=(5, 4, 7))),
+        ("g i32", lambda g: _gdn(g, gt=I32)),
+        ("beta shape", lambda g: _gdn(g, b=(5, 4, 1))),
+        ("state S x S not flattened", lambda g: _gdn(g, s=(2, 3, 4, 8))),
+        ("state heads differ", lambda g: _gdn(g, s=(2, 3, 2, 64))),
+        ("state 3-D", lambda g: _gdn(g, s=(2, 12, 64))),
+        ("state f16", lambda g: _gdn(g, st=F16)),
+        ("state not contiguous", lambda g: g.gated_delta_net(
+            _x(g, "q", F32, [5, 2, 8]), _x(g, "k", F32, [5, 2, 8]), _x(g, "v", F32, [5, 4, 8]), _x(g, "g", F32, [5, 4]),
+            _x(g, "b", F32, [5, 4]), g.permute(_x(g, "s", F32, [3, 2, 4, 64]), [1, 0, 2, 3]), _x(g, "sq", I32, [2, 4]))),
+        ("seqs f32", lambda g: _gdn(g, sqt=F32)),
+        ("seqs 5 columns", lambda g: _gdn(g, sq=(2, 5))),
+        ("broadcast 2", lambda g: _gdn(g, broadcast=2)),
+        ("chunk_min < 0", lambda g: _gdn(g, chunk_min=-1)),
+        ("q inner strided", lambda g: g.gated_delta_net(
+            g.permute(_x(g, "q", F32, [5, 8, 2]), [0, 2, 1]), _x(g, "k", F32, [5, 2, 8]), _x(g, "v", F32, [5, 4, 8]),
+            _x(g, "g", F32, [5, 4]), _x(g, "b", F32, [5, 4]), _x(g, "s", F32, [2, 3, 4, 64]), _x(g, "sq", I32, [2, 4]))),
+    ],
+})
+
 def _bad_params():
     for op, items in BAD.items():
         for what, fn in items:
@@ -244,6 +389,29 @@ def _probe_builders():
     P["reshape"] = lambda g, r, dt: g.reshape(_x(g, "a", dt, [2, K]), [1, 2, K] if dt in K_QUANTS else [4, K // 2])
     P["view"] = lambda g, r, dt: g.view(_x(g, "a", dt, [2, K]), [1, K], None, 0)
     P["permute"] = lambda g, r, dt: g.permute(_x(g, "a", dt, [2, K]), [1, 0])
+    P["sigmoid"] = lambda g, r, dt: g.sigmoid(_x(g, "a", dt, [2, K]))
+    P["softplus"] = lambda g, r, dt: g.softplus(_x(g, "a", dt, [2, K]))
+    P["l2_norm"] = lambda g, r, dt: g.l2_norm(_x(g, "a", dt, [2, K]), 1e-6)
+    P["concat"] = lambda g, r, dt: g.concat(_x(g, "a", dt if r == 0 else F32, [2, K]),
+                                            _x(g, "b", dt if r == 1 else F32, [2, K]), 0)
+    P["sum"] = lambda g, r, dt: g.sum(_x(g, "a", dt, [2, K]), 0)
+    P["topk"] = lambda g, r, dt: g.topk(_x(g, "a", dt, [2, K]), 4)
+    P["gather"] = lambda g, r, dt: g.gather(_x(g, "a", dt if r == 0 else F32, [2, K]),
+                                            _x(g, "i", dt if r == 1 else I32, [2, K]))
+    P["matmul_id"] = lambda g, r, dt: g.matmul_id(_x(g, "x", dt if r == 0 else F32, [2, K]),
+                                                  _x(g, "w", dt if r == 1 else F32, [4, 3, K]),
+                                                  _x(g, "i", dt if r == 2 else I32, [2, 2]))
+    P["ssm_conv"] = lambda g, r, dt: g.ssm_conv(_x(g, "x", dt if r == 0 else F32, [2, K]),
+                                                _x(g, "w", dt if r == 1 else F32, [K, 4]),
+                                                _x(g, "s", dt if r == 2 else F32, [2, 1, 3, K]),
+                                                _x(g, "q", dt if r == 3 else I32, [1, 4]))
+
+    def gdn(g, r, dt):
+        d = [dt if r == i else F32 for i in range(6)] + [dt if r == 6 else I32]
+        return g.gated_delta_net(_x(g, "q", d[0], [2, 1, K]), _x(g, "k", d[1], [2, 1, K]), _x(g, "v", d[2], [2, 1, K]),
+                                 _x(g, "g", d[3], [2, 1, K]), _x(g, "b", d[4], [2, 1]), _x(g, "s", d[5], [1, 1, 1, K * K]),
+                                 _x(g, "sq", d[6], [1, 4]))
+    P["gated_delta_net"] = gdn
     return P
 
 

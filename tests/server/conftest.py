@@ -1,8 +1,10 @@
 """Fixtures for the server tests: the shared ``pyfast serve`` on the default model and a reference
-``pyfast.LLM``. The whole directory is skipped when the server extra is not installed."""
+``pyfast.LLM``; the same pair on the tiny hybrid (Gated-DeltaNet) Qwen3.5 fixture. The whole
+directory is skipped when the server extra is not installed."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +35,27 @@ def ref_llm(smollm2_path):
 def client(main_server):
     with httpx.Client(base_url=main_server.url, timeout=120) as c:
         yield c
+
+
+HYBRID_GGUF = Path(__file__).resolve().parents[1] / "fixtures" / "hybrid" / "qwen35.gguf"
+
+
+@pytest.fixture(scope="session")
+def hybrid_path():
+    if not HYBRID_GGUF.is_file():
+        pytest.skip(f"hybrid fixture {HYBRID_GGUF} not present")
+    return HYBRID_GGUF
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(hybrid_path):
+    """The tiny Qwen3.5 (hybrid: recurrent + attention) fixture with 3 slots of 1024 tokens."""
+    with ServerProcess("-m", str(hybrid_path), "--parallel", "3", "--ctx-size", str(3 * 1024)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def hybrid_llm(hybrid_path):
+    from pyfast.llm import LLM
+
+    return LLM(hybrid_path, n_ctx=1024, n_threads=1)

@@ -204,3 +204,26 @@ def test_stream_n_choices(oa, model_id, want_completion):
 def test_echo(oa, model_id, want_completion):
     r = oa.completions.create(model=model_id, prompt=PROMPT, max_tokens=20, temperature=0, echo=True)
     assert r.choices[0].text == PROMPT + want_completion.text
+
+
+def test_logit_bias(oa, model_id, want_completion, ref_llm):
+    """Banning the greedy first token (-100) makes the server pick the runner-up, exactly as LLM does
+    with the same bias; a +100 bias forces a chosen token at every step."""
+    first = want_completion.tokens[0]
+    r = oa.completions.create(model=model_id, prompt=PROMPT, max_tokens=6, temperature=0,
+                              logit_bias={str(first): -100})
+    want = ref_llm.generate(PROMPT, max_tokens=6, temperature=0, logit_bias={first: float("-inf")})
+    assert want.tokens[0] != first
+    assert r.choices[0].text == want.text
+    row = ref_llm.logits(want_completion.prompt_tokens)[-1].copy()
+    row[first] = -np.inf
+    assert want.tokens[0] == int(np.argmax(row))
+    forced = ref_llm.tokenize(" blue", add_bos=False)[0]
+    r = oa.completions.create(model=model_id, prompt=PROMPT, max_tokens=3, temperature=0.7, seed=5,
+                              logit_bias={str(forced): 100})
+    assert r.usage.completion_tokens == 3
+    assert ref_llm.tokenize(r.choices[0].text, add_bos=False) == [forced] * 3
+    with pytest.raises(openai.BadRequestError):
+        oa.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, logit_bias={"999999999": 5})
+    with pytest.raises(openai.BadRequestError):
+        oa.completions.create(model=model_id, prompt=PROMPT, max_tokens=2, logit_bias={"abc": 5})

@@ -157,3 +157,83 @@ def test_two_token_distribution_matches_target(rows, temperature, style):
     sup = np.flatnonzero(P0 * N_SAMPLES >= 5.0)
     x1 = float((((first[sup] - N_SAMPLES * P0[sup]) ** 2) / (N_SAMPLES * P0[sup])).sum())
     assert chi2_sf(x1, sup.size) > 0.001
+
+
+
+def test_draft_mtp_two_token_distribution_matches_target():
+    """draft-mtp's sampled drafts (d1 ~ q0, d2 ~ q1(. | d1), drawn by the proposer itself with the
+    tiny Qwen3.5 fixture's MTP block), verified by rejection sampling with the q it supplies: the
+    first two emitted tokens follow the target's p0(t1) * p1(t2 | t1)."""
+    from pyfast.models import Model
+    from pyfast.spec.base import DecodeBatch, DraftRequest
+    from pyfast.spec.mtp import MTPProposer
+    from tests.models.test_hybrid_common import fixture
+
+    n = 12000
+    path, ref = fixture("qwen35")
+    model = Model(path)
+    V = model.n_vocab
+    toks = ref["tokens_1"][:8].astype(np.int32)  # a context where the random MTP overlaps the target
+    ctx = Context(model, n_ctx=64, n_threads=2, export_hidden=True)
+    prop = MTPProposer(model, n_ctx=64, n_threads=2)
+    prop.bind_target(ctx)
+    ctx.decode(toks[:-1], seq_ids=0, logits="none")
+    prop.process(DecodeBatch("prompt", np.zeros(7, np.int32), toks[:-1], np.arange(7, dtype=np.int32)))
+
+    params = SamplingParams(temperature=1.5, top_k=30, top_p=1.0, min_p=0.0, seed=5)
+    target = Sampler(params, V)
+    plain = Context(model, n_ctx=64, n_threads=2)
+
+    def row(seq):
+        plain.clear()
+        return plain.decode(np.asarray(seq, dtype=np.int32), seq_ids=0)[-1]
+
+    p0 = row(toks)
+    P0 = target.probs(p0)
+    p1 = {int(t): row(list(toks) + [int(t)]) for t in np.flatnonzero(P0)}
+    P1 = {t: target.probs(r) for t, r in p1.items()}
+    req = DraftRequest(0, toks, 2, 1, 0.0, Sampler(params, V))
+    hist = np.zeros(1, dtype=np.int64)
+    counts: dict[tuple[int, int], int] = {}
+    drawn: dict[tuple[int, int], int] = {}   # the drafts themselves
+    q1: dict[int, np.ndarray] = {}
+    q0 = None
+    for _ in range(n):
+        d = prop.draft([req])[0]
+        assert d is not None and len(d) == 2 and d.probs is not None
+        if q0 is None:
+            q0 = d.probs[0].copy()
+            overlap = float(np.minimum(P0, q0).sum())
+            assert 0.05 < overlap < 0.97, f"the MTP's q should overlap the target's p, not equal it ({overlap:.2f})"
+        assert np.array_equal(d.probs[0], q0)          # step 0 sees the same state every time
+        d1 = int(d.tokens[0])
+        q1.setdefault(d1, d.probs[1].copy())
+        drawn[(d1, int(d.tokens[1]))] = drawn.get((d1, int(d.tokens[1])), 0) + 1
+        # row 1 is only read when d1 is accepted, i.e. when the target can emit d1 (p0(d1) > 0)
+        res = verify(np.stack([p0, p1.get(d1, p0), p0]), d.tokens, target, hist, d.probs)
+        t1 = res.tokens[0]
+        t2 = res.tokens[1] if len(res.tokens) >= 2 else target.sample(p1[t1], hist)
+        counts[(t1, t2)] = counts.get((t1, t2), 0) + 1
+
+    # the drafts follow the q the proposer reports: q0(d1) * q1(d2 | d1)
+    dexp = {(a, b): n * q0[a] * q1[a][b] for a in q1 for b in np.flatnonzero(q1[a])}
+    assert set(drawn) <= set(dexp)
+    keys = [c for c, e in dexp.items() if e >= 5.0]
+    obs = [drawn.get(c, 0) for c in keys] + [n - sum(drawn.get(c, 0) for c in keys)]
+    exp = [dexp[c] for c in keys] + [n - sum(dexp[c] for c in keys)]
+    if exp[-1] < 5.0:
+        obs, exp = obs[:-1], exp[:-1]
+    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    assert chi2_sf(x, len(obs) - 1) > 0.001, f"drafts do not follow their q: chi-square {x:.1f}"
+
+    expected = {(a, b): n * P0[a] * P1[a][b] for a in np.flatnonzero(P0) for b in np.flatnonzero(P1[int(a)])}
+    assert set(counts) <= set(expected), "a token outside the target's kept set was emitted"
+    big = [c for c, e in expected.items() if e >= 5.0]
+    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    exp = [expected[c] for c in big] + [n - sum(expected[c] for c in big)]
+    if exp[-1] < 5.0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert len(obs) >= 20
+    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    p = chi2_sf(x, len(obs) - 1)
+    assert p > 0.001, f"chi-square {x:.1f} on {len(obs) - 1} dof: p = {p:.2e}"

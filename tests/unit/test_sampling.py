@@ -131,6 +131,37 @@ def test_top_k_ties_keep_lowest_ids():
     assert kept(s, x) == {1, 0, 2}
 
 
+def test_top_k_native_matches_a_full_sort():
+    """The native heap top-k equals a full (value desc, id asc) sort on random rows with ties and NaN."""
+    from pyfast._loader import native
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        n = int(rng.integers(1, 5000))
+        k = int(rng.integers(1, 80))
+        x = (rng.integers(-4, 4, size=n) if trial % 2 else rng.standard_normal(n)).astype(np.float32)
+        if trial % 5 == 0:
+            x[rng.integers(0, n, size=4)] = np.nan
+        ref = np.lexsort((np.arange(n), -np.where(np.isnan(x), -np.inf, x)))[:k]
+        np.testing.assert_array_equal(native.topk_row(x, k), ref)
+
+
+def test_logit_bias():
+    x = np.array([0.0, 2.0, 1.0, 0.5], np.float32)
+    s = Sampler(SamplingParams(temperature=0, logit_bias={1: -np.inf}), 4)
+    assert s.sample(x) == 2
+    s = Sampler(SamplingParams(temperature=0, logit_bias={0: 2.5}), 4)
+    assert s.sample(x) == 0
+    s = Sampler(SamplingParams(seed=0, temperature=1.0, **NO_FILTERS, logit_bias={3: 1.0}), 4)
+    np.testing.assert_allclose(s.probs(x), softmax(x + np.array([0, 0, 0, 1.0])), rtol=1e-12)
+    assert x[3] == 0.5  # the caller's logits are not modified
+    for bad in ({-1: 1.0}, {1: float("nan")}, {1: float("inf")}, {"a": 1.0}, [1, 2]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            Sampler(SamplingParams(logit_bias=bad), 4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Sampler(SamplingParams(logit_bias={4: 1.0}), 4)
+
+
 def test_top_p_keeps_smallest_prefix_reaching_p():
     probs = np.array([0.05, 0.4, 0.3, 0.15, 0.1])
     x = np.log(probs).astype(np.float32)

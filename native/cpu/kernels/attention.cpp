@@ -47,12 +47,41 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* a, const fl
   return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
 }
 
+// dot_avx2 of each of the nt query rows q + r * D (D % 8 == 0) with b, into s[r]: the same
+// per-lane FMA sequence and the same reduction tree per row, done for the rows together.
+__attribute__((target("avx2,fma,f16c"))) void dots_avx2(const float* q, int nt, const float* b, int64_t D, float* s) {
+  __m256 acc[kTile];
+  for (int r = 0; r < kTile; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 bv = _mm256_loadu_ps(b + i);
+    for (int r = 0; r < kTile; ++r)
+      if (r < nt) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), bv, acc[r]);
+  }
+  // per row: x = (t0 + t4, t1 + t5, t2 + t6, t3 + t7); then ((x0 + x1) + (x2 + x3)) by two hadds
+  __m128 x[kTile];
+  for (int r = 0; r < kTile; ++r) x[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+  for (int r = 0; r < kTile; r += 4) {
+    const __m128 y = _mm_hadd_ps(_mm_hadd_ps(x[r], x[r + 1]), _mm_hadd_ps(x[r + 2], x[r + 3]));
+    alignas(16) float t[4];
+    _mm_store_ps(t, y);
+    for (int u = 0; u < 4 && r + u < nt; ++u) s[r + u] = t[u];
+  }
+}
+
 __attribute__((target("avx2,fma,f16c"))) void axpy_scale_avx2(float* acc, float c, const float* v, float w, int64_t n) {
   const __m256 vc = _mm256_set1_ps(c), vw = _mm256_set1_ps(w);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + i), _mm256_mul_ps(_mm256_loadu_ps(acc + i), vc)));
   for (; i < n; ++i) acc[i] = acc[i] * c + w * v[i];
+}
+
+// axpy_scale_avx2 with c = 1 (acc * 1 is acc exactly, so the product is skipped).
+__attribute__((target("avx2,fma,f16c"))) void axpy_avx2(float* acc, const float* v, float w, int64_t n) {
+  const __m256 vw = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+  for (; i < n; ++i) acc[i] = acc[i] + w * v[i];
 }
 
 __attribute__((target("avx2,fma,f16c"))) void f16_to_f32_avx2(const uint16_t* s, float* d, int64_t n) {
@@ -109,18 +138,24 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   float* acc = vrow + Dv;           // [kTile][Dv]
   float* qbuf = acc + kTile * Dv;   // [kTile][D]
 
-  // Work items: (kv head, tile of query rows); query rows are (token, head in group).
+  // Work items: (kv head, tile of query rows); query rows are (token, head in group). Tiles are
+  // smaller than kTile when that is needed for at least 3 items per thread (a short batch has
+  // few rows per head); results do not depend on the tiling.
   const int64_t rows_per_head = T * group;
-  const int64_t tiles_per_head = (rows_per_head + kTile - 1) / kTile;
+  const int64_t want = 3 * (int64_t)p.nth;
+  int64_t tile = (rows_per_head * Hkv + want - 1) / want;
+  tile = tile < 1 ? 1 : tile > kTile ? kTile : tile;
+  const int64_t tiles_per_head = (rows_per_head + tile - 1) / tile;
   const int64_t n_items = Hkv * tiles_per_head;
   int64_t it0, it1;
   split_range(n_items, p.ith, p.nth, it0, it1);
   const float ninf = -std::numeric_limits<float>::infinity();
+  const bool batched = kern.avx2 && D % 8 == 0;  // the tile's dots together (dots_avx2)
 
   for (int64_t item = it0; item < it1; ++item) {
     const int64_t hk = item / tiles_per_head;
-    const int64_t r0 = (item % tiles_per_head) * kTile;
-    const int nt = (int)std::min<int64_t>(kTile, rows_per_head - r0);
+    const int64_t r0 = (item % tiles_per_head) * tile;
+    const int nt = (int)std::min<int64_t>(tile, rows_per_head - r0);
     int64_t tok[kTile], hq[kTile];
     float m[kTile], l[kTile];
     const float* mrow[kTile];
@@ -142,10 +177,14 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       if (!any) continue;
       load_row(K, K->data + j * K->shape.strides[0] + hk * K->shape.strides[1], krow, D, kern.avx2);
       load_row(V, V->data + j * V->shape.strides[0] + hk * V->shape.strides[1], vrow, Dv, kern.avx2);
+      float sd[kTile];
+#if defined(__x86_64__)
+      if (batched) dots_avx2(qbuf, nt, krow, D, sd);
+#endif
       for (int r = 0; r < nt; ++r) {
         const float mk = mrow[r][j];
         if (mk == ninf) continue;
-        const float s = kern.dot(qbuf + r * D, krow, D) + mk;
+        const float s = (batched ? sd[r] : kern.dot(qbuf + r * D, krow, D)) + mk;
         if (s > m[r]) {
           const float c = std::exp(m[r] - s);  // 0 on the first cell
           m[r] = s;
@@ -154,6 +193,12 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
         } else {
           const float e = std::exp(s - m[r]);
           l[r] += e;
+#if defined(__x86_64__)
+          if (kern.avx2) {
+            axpy_avx2(acc + r * Dv, vrow, e, Dv);
+            continue;
+          }
+#endif
           kern.axpy(acc + r * Dv, 1.0f, vrow, e, Dv);
         }
       }

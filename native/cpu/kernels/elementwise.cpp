@@ -1,5 +1,7 @@
-// Elementwise and data-movement kernels: add, mul, scale, silu, swiglu, cpy, get_rows,
-// set_rows, argmax. Work is split over rows; no reductions cross rows.
+// Elementwise and data-movement kernels: add, mul, scale, silu, swiglu, sigmoid, softplus, cpy,
+// get_rows, set_rows, concat, argmax, sum. Work is split over output rows; a reduction (argmax,
+// sum) reads only the input elements of its own output element, in a fixed order.
+#include <stdexcept>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -188,6 +190,137 @@ void cpu_argmax(const ComputeParams& p, Node& dst, const Node* const* src) {
     for (int64_t i = 1; i < n; ++i)
       if (x[i * ia] > bv) { bv = x[i * ia]; best = i; }
     reinterpret_cast<int32_t*>(dst.data)[r] = (int32_t)best;
+  }
+}
+
+// sigmoid / softplus: plain libm per element (these run on small gate tensors).
+void cpu_sigmoid(const ComputeParams& p, Node& dst, const Node* const* src) {
+  unary_rows(p, dst, src[0], [](float x) { return 1.0f / (1.0f + std::exp(-x)); });
+}
+
+// log(1 + exp(x)), and x itself above torch's default threshold of 20.
+void cpu_softplus(const ComputeParams& p, Node& dst, const Node* const* src) {
+  unary_rows(p, dst, src[0], [](float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); });
+}
+
+namespace {
+
+// Byte offset of the element with multi-index idx[0..ndim) in a strided shape.
+inline int64_t elem_offset(const Shape& s, const int64_t* idx) {
+  int64_t off = 0;
+  for (int d = 0; d < s.ndim; ++d) off += idx[d] * s.strides[d];
+  return off;
+}
+
+// Copy n f32 elements from x (element stride st) to o (contiguous).
+inline void copy_row(float* o, const float* x, int64_t n, int64_t st) {
+  if (st == 1) std::memcpy(o, x, (size_t)n * 4);
+  else for (int64_t i = 0; i < n; ++i) o[i] = x[i * st];
+}
+
+}  // namespace
+
+// concat: output rows (all dims but the last) are split over threads; each output row is
+// copied from a or b (axis < last) or from both (axis == last).
+void cpu_concat(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node* a = src[0];
+  const Node* b = src[1];
+  const Shape& so = dst.shape;
+  const int nd = so.ndim;
+  const int ax = dst.params.i[0];
+  const int64_t n = so.dims[nd - 1];
+  const int64_t na = a->shape.dims[ax];
+  const int64_t sta = inner_stride(a->shape) / 4, stb = inner_stride(b->shape) / 4;
+  int64_t r0, r1;
+  split_range(n_rows(so), p.ith, p.nth, r0, r1);
+  int64_t idx[kMaxDims] = {0, 0, 0, 0};
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t q = r;
+    for (int d = nd - 2; d >= 0; --d) {
+      idx[d] = q % so.dims[d];
+      q /= so.dims[d];
+    }
+    idx[nd - 1] = 0;
+    float* o = reinterpret_cast<float*>(dst.data) + r * n;
+    if (ax == nd - 1) {
+      const float* xa = reinterpret_cast<const float*>(a->data + elem_offset(a->shape, idx));
+      const float* xb = reinterpret_cast<const float*>(b->data + elem_offset(b->shape, idx));
+      copy_row(o, xa, na, sta);
+      copy_row(o + na, xb, n - na, stb);
+    } else if (idx[ax] < na) {
+      copy_row(o, reinterpret_cast<const float*>(a->data + elem_offset(a->shape, idx)), n, sta);
+    } else {
+      idx[ax] -= na;
+      copy_row(o, reinterpret_cast<const float*>(b->data + elem_offset(b->shape, idx)), n, stb);
+    }
+  }
+}
+
+// sum over one axis. Every output element is reduced in the same fixed order whatever the axis,
+// thread split or batch: element i of the reduced axis goes to lane i % 8, then the lanes are
+// combined by the tree ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) (as rms_norm's sum).
+void cpu_sum(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node* a = src[0];
+  const Shape& sa = a->shape;
+  const int nd = sa.ndim;
+  const int ax = dst.params.i[0];
+  const int64_t L = sa.dims[ax];
+  const int64_t sl = sa.strides[ax] / 4;  // elements between neighbours along the axis
+  float* out = reinterpret_cast<float*>(dst.data);
+  auto tree = [](const float* l) { return ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7])); };
+  if (ax == nd - 1) {
+    // One output element per input row.
+    int64_t r0, r1;
+    split_range(n_rows(sa), p.ith, p.nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = reinterpret_cast<const float*>(a->data + row_offset(sa, r));
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      if (sl == 1)
+        for (; i + 8 <= L; i += 8)
+          for (int l = 0; l < 8; ++l) acc[l] += x[i + l];
+      for (; i < L; ++i) acc[i & 7] += x[i * sl];
+      out[r] = tree(acc);
+    }
+    return;
+  }
+  // The axis is not the innermost: an output row is the input's innermost dim (n elements) at a
+  // multi-index of the other outer dims; it is accumulated in column blocks of kB.
+  constexpr int64_t kB = 64;
+  const int64_t n = sa.dims[nd - 1];
+  const int64_t st = inner_stride(sa) / 4;
+  int64_t n_out_rows = 1;
+  for (int d = 0; d < nd - 1; ++d)
+    if (d != ax) n_out_rows *= sa.dims[d];
+  int64_t r0, r1;
+  split_range(n_out_rows, p.ith, p.nth, r0, r1);
+  int64_t idx[kMaxDims] = {0, 0, 0, 0};
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t q = r;
+    for (int d = nd - 2; d >= 0; --d) {
+      if (d == ax) { idx[d] = 0; continue; }
+      idx[d] = q % sa.dims[d];
+      q /= sa.dims[d];
+    }
+    idx[nd - 1] = 0;
+    const float* x0 = reinterpret_cast<const float*>(a->data + elem_offset(sa, idx));
+    float* o = out + r * n;
+    for (int64_t c0 = 0; c0 < n; c0 += kB) {
+      const int64_t nc = n - c0 < kB ? n - c0 : kB;
+      float acc[8][kB];
+      for (int l = 0; l < 8; ++l)
+        for (int64_t c = 0; c < nc; ++c) acc[l][c] = 0.0f;
+      for (int64_t i = 0; i < L; ++i) {
+        const float* x = x0 + i * sl + c0 * st;
+        float* ac = acc[i & 7];
+        if (st == 1) for (int64_t c = 0; c < nc; ++c) ac[c] += x[c];
+        else for (int64_t c = 0; c < nc; ++c) ac[c] += x[c * st];
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        const float l[8] = {acc[0][c], acc[1][c], acc[2][c], acc[3][c], acc[4][c], acc[5][c], acc[6][c], acc[7][c]};
+        o[c0 + c] = tree(l);
+      }
+    }
   }
 }
 

@@ -2,7 +2,8 @@
 // Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K).
 //
 // Quantized weights: the activation rows are quantized once per op into the shared scratch
-// (split over threads by rows), then after a barrier the output is split into work items of
+// (split over threads by rows; up to kPrivateRows rows, each thread quantizes all of them into
+// its own area and no barrier is needed), then after a barrier the output is split into work items of
 // up to 16 weight rows x 64 activation rows; each thread takes a contiguous range of items
 // (weight-chunk major, so a thread reuses its weight rows from cache across row chunks).
 // Float weights read x in place (no barrier). Each output element is computed by exactly one
@@ -20,9 +21,15 @@ namespace {
 constexpr size_t kAlign = 64;
 inline size_t align_up(size_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
 
+// Up to this many activation rows, every thread quantizes all of them into its own area instead
+// of a share into the common one: a little redundant work, but no barrier (decode steps and
+// short verify batches run many small matmuls).
+constexpr int64_t kPrivateRows = 4;
+
 struct QLayout {
   int64_t R = 0, K = 0, nb = 0;
   size_t q = 0, d = 0, s = 0, f = 0, h = 0, scratch = 0, scratch_per_thread = 0, total = 0;
+  size_t act_per_thread = 0;  // != 0: thread ith's activations at ith * act_per_thread
 };
 
 QLayout qlayout(int64_t R, int64_t K, int nth) {
@@ -30,6 +37,7 @@ QLayout qlayout(int64_t R, int64_t K, int nth) {
   L.R = R;
   L.K = K;
   L.nb = K / QK;
+  nth = nth > 0 ? nth : 1;
   const int64_t R4 = (R + 3) & ~(int64_t)3;
   size_t off = 0;
   L.q = off;
@@ -43,9 +51,13 @@ QLayout qlayout(int64_t R, int64_t K, int nth) {
   off = align_up(off + meta);
   L.h = off;
   off = align_up(off + meta);
+  if (R <= kPrivateRows && nth > 1) {
+    L.act_per_thread = off;
+    off *= (size_t)nth;
+  }
   L.scratch = off;
   L.scratch_per_thread = align_up(mm::qjob_scratch_floats(L.nb) * sizeof(float));
-  off += L.scratch_per_thread * (size_t)(nth > 0 ? nth : 1);
+  off += L.scratch_per_thread * (size_t)nth;
   L.total = off;
   return L;
 }
@@ -100,6 +112,13 @@ size_t cpu_matmul_work_size(const Node& dst, const Node* const* src, int nth) {
   return qlayout(n_rows(x), x.shape.dims[x.shape.ndim - 1], nth).total + kAlign;
 }
 
+// Whether cpu_matmul calls p.barrier() (quantized weights with more than kPrivateRows rows);
+// used by the plan, which may run a share (ith) of a kernel without barriers on any thread.
+bool cpu_matmul_syncs(const Node& dst, const Node* const* src, int nth) {
+  (void)dst;
+  return nth > 1 && is_quant(src[1]->dtype) && n_rows(*src[0]) > kPrivateRows;
+}
+
 void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
   const Node& x = *src[0];
   const Node& w = *src[1];
@@ -109,7 +128,7 @@ void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
   const mm::RowView xv = row_view(x);
   const mm::RowView yv = row_view(dst);
   CpuIsa isa = p.isa;
-  if (isa != CpuIsa::avx2 && isa != CpuIsa::avx512) isa = CpuIsa::scalar;  // neon: reference for now
+  if (isa != CpuIsa::avx2 && isa != CpuIsa::avx512 && isa != CpuIsa::neon) isa = CpuIsa::scalar;
 
   const int64_t cn = mm::kChunkN;
   const int64_t n_nc = (N + cn - 1) / cn;
@@ -120,29 +139,32 @@ void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
   if (is_quant(w.dtype)) {
     const QLayout L = qlayout(R, K, p.nth);
     uint8_t* base = (uint8_t*)(((uintptr_t)p.wdata + kAlign - 1) & ~(uintptr_t)(kAlign - 1));
+    uint8_t* act = base + L.act_per_thread * (size_t)p.ith;
     mm::ActQ a;
-    a.q = reinterpret_cast<int8_t*>(base + L.q);
-    a.d = reinterpret_cast<float*>(base + L.d);
-    a.s = reinterpret_cast<int32_t*>(base + L.s);
-    a.f = reinterpret_cast<float*>(base + L.f);
-    a.h = reinterpret_cast<int32_t*>(base + L.h);
+    a.q = reinterpret_cast<int8_t*>(act + L.q);
+    a.d = reinterpret_cast<float*>(act + L.d);
+    a.s = reinterpret_cast<int32_t*>(act + L.s);
+    a.f = reinterpret_cast<float*>(act + L.f);
+    a.h = reinterpret_cast<int32_t*>(act + L.h);
     a.K = K;
     a.nb = L.nb;
-    // Phase 1: quantize this thread's activation rows.
+    // Phase 1: quantize this thread's activation rows (all of them into its own area when they
+    // are few; the quantization is per row, so the copies are identical).
     auto quant = isa == CpuIsa::avx512 ? mm::quant_act_avx512
                : isa == CpuIsa::avx2   ? mm::quant_act_avx2
+               : isa == CpuIsa::neon   ? mm::quant_act_neon
                                        : mm::quant_act_scalar;
-    int64_t r0, r1;
-    split_range(R, p.ith, p.nth, r0, r1);
+    int64_t r0 = 0, r1 = R;
+    if (!L.act_per_thread) split_range(R, p.ith, p.nth, r0, r1);
     for (int64_t r = r0; r < r1; ++r) {
       const size_t mi = a.meta(r, 0);
       quant(reinterpret_cast<const float*>(xv.row(r)), const_cast<int8_t*>(a.q) + r * K,
             const_cast<float*>(a.d) + mi, const_cast<int32_t*>(a.s) + mi, const_cast<float*>(a.f) + mi,
             const_cast<int32_t*>(a.h) + mi, L.nb);
     }
-    p.barrier();
+    if (!L.act_per_thread) p.barrier();
     // Phase 2: this thread's work items.
-    auto gemm = isa == CpuIsa::avx512 ? mm::qgemm_avx512 : isa == CpuIsa::avx2 ? mm::qgemm_avx2 : mm::qgemm_scalar;
+    auto gemm = isa == CpuIsa::avx512 ? mm::qgemm_avx512 : isa == CpuIsa::avx2 ? mm::qgemm_avx2 : isa == CpuIsa::neon ? mm::qgemm_neon : mm::qgemm_scalar;
     mm::QJob j;
     j.wt = w.dtype;
     j.w = w.data;
@@ -161,7 +183,7 @@ void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
     return;
   }
 
-  auto gemm = isa == CpuIsa::avx512 ? mm::fgemm_avx512 : isa == CpuIsa::avx2 ? mm::fgemm_avx2 : mm::fgemm_scalar;
+  auto gemm = isa == CpuIsa::avx512 ? mm::fgemm_avx512 : isa == CpuIsa::avx2 ? mm::fgemm_avx2 : isa == CpuIsa::neon ? mm::fgemm_neon : mm::fgemm_scalar;
   mm::FJob j;
   j.wt = w.dtype;
   j.w = w.data;

@@ -1,5 +1,6 @@
-// Row reductions: rms_norm and softmax. Each row is reduced in a fixed order (8 partial sums,
+// Row reductions: rms_norm, l2_norm and softmax. Each row is reduced in a fixed order (8 partial sums,
 // then a fixed tree), so a row's result never depends on the batch or the thread split.
+#include <stdexcept>
 #include <cmath>
 #include <limits>
 
@@ -72,6 +73,24 @@ void cpu_softmax(const ComputeParams& p, Node& dst, const Node* const* src) {
     const float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < n; ++i) o[i] *= inv;
+  }
+}
+
+// l2_norm: x * 1/sqrt(sum(x^2) + eps) over the last dim (HF's x * rsqrt(sum(x^2) + eps)), with the
+// same fixed-order sum of squares as rms_norm.
+void cpu_l2_norm(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node* a = src[0];
+  const Shape& sa = a->shape;
+  const float eps = dst.params.f[0];
+  const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
+  const int64_t st = inner_stride(sa) / 4;
+  int64_t r0, r1;
+  split_range(nr, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = reinterpret_cast<const float*>(a->data + row_offset(sa, r));
+    float* o = reinterpret_cast<float*>(dst.data) + r * n;
+    const float s = 1.0f / std::sqrt(sum_sq(x, n, st) + eps);
+    for (int64_t i = 0; i < n; ++i) o[i] = x[i * st] * s;
   }
 }
 

@@ -386,6 +386,368 @@ PF_AVX2 void fill_ktables_avx2(const QCtx& c, float* dw, float* mw, int32_t* slo
   }
 }
 
+// ----------------------------------------------------------------------------- quantized, rows >= 2
+//
+// As in mm_avx512.cpp: each weight block of the chunk is decoded once into a transposed form,
+// here per half chunk (8 weight rows): eight vectors W[g] whose lane r holds the u8 codes of
+// elements 4g .. 4g+3 of weight row r (Q8_0: biased by +128 with AVX-VNNI, signed without). Per
+// activation row a block's 8 exact integer sums are eight vpdpbusd (or maddubs / madd) of W[g]
+// with the broadcast dword g of the row's int8 block, then one float stage for the 8 pairs. The
+// first pass decodes and computes up to kXtRows2 rows; with more rows it stores the decoded
+// blocks in the scratch for the later passes.
+
+constexpr int kXtRows2 = 3;  // activation rows per pass (16 ymm registers)
+
+// Lane r (0..7) of t[g] = dword g of the 16 bytes at r[i] + off (row i of the half).
+PF_AVX2 PF_INLINE void tr8(const uint8_t* const* r, int64_t off, __m256i* t) {
+  const __m256i v0 = load2(r[0], r[4], off), v1 = load2(r[1], r[5], off);
+  const __m256i v2 = load2(r[2], r[6], off), v3 = load2(r[3], r[7], off);
+  const __m256i a0 = _mm256_unpacklo_epi32(v0, v1), a1 = _mm256_unpackhi_epi32(v0, v1);
+  const __m256i a2 = _mm256_unpacklo_epi32(v2, v3), a3 = _mm256_unpackhi_epi32(v2, v3);
+  t[0] = _mm256_unpacklo_epi64(a0, a2);
+  t[1] = _mm256_unpackhi_epi64(a0, a2);
+  t[2] = _mm256_unpacklo_epi64(a1, a3);
+  t[3] = _mm256_unpackhi_epi64(a1, a3);
+}
+
+// Lane r = the 4 bytes at rows[8 h + r] + off.
+PF_AVX2 PF_INLINE __m256i gat8(const QCtx& c, int h, int64_t off) {
+  return _mm256_i32gather_epi32((const int*)(c.rows[0] + off), _mm256_load_si256((const __m256i*)(c.offs + 8 * h)), 1);
+}
+
+// Byte t of lane r = 0x10 where bit (4 * g + t) of the 32-bit value in lane r of qh is set.
+PF_AVX2 PF_INLINE __m256i qh_bits8(__m256i qh, int g) {
+  const __m256i ctrl = _mm256_add_epi8(_mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C),
+                                       _mm256_set1_epi8((char)(g >> 1)));
+  const __m256i rep = _mm256_shuffle_epi8(qh, ctrl);  // each dword: its own byte g / 2, 4 times
+  const __m256i bit = _mm256_set1_epi32((g & 1) ? (int)0x80402010 : 0x08040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// Decodes STEP blocks from b0 for weight rows 8 h .. 8 h + 7 into w[st * 8 + g]; 32-block types
+// also give the blocks' dw / mw.
+template <DType WT, bool VNNI>
+PF_AVX2 PF_INLINE void xt2_decode(const QCtx& c, __m256i* qhc, int h, int64_t b0, __m256i* w, __m256& dw, __m256& mw) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const uint8_t* const* r = c.rows + 8 * h;
+  if constexpr (WT == DType::Q4_K || WT == DType::Q5_K) {
+    constexpr int SB = kSuperBytes<WT>;
+    const int64_t sb = (b0 >> 3) * SB;
+    const int j = (int)(b0 & 7);
+    const int64_t qo = sb + (WT == DType::Q4_K ? 16 : 48) + 32 * (j >> 1);
+    __m256i t[8];
+    tr8(r, qo, t);
+    tr8(r, qo + 16, t + 4);
+    for (int g = 0; g < 8; ++g) {
+      w[g] = _mm256_and_si256(t[g], m4);
+      w[8 + g] = _mm256_and_si256(_mm256_srli_epi16(t[g], 4), m4);
+    }
+    if constexpr (WT == DType::Q5_K) {  // bit j of qh[l] = bit 4 of element l of block j
+      // The super-block's qh (shared by its 8 blocks) is transposed with its first pair.
+      if (j == 0) {
+        tr8(r, sb + 16, qhc);
+        tr8(r, sb + 32, qhc + 4);
+      }
+      const __m256i b4 = _mm256_set1_epi8(0x10);
+      for (int g = 0; g < 8; ++g) {
+        const __m256i hv = _mm256_load_si256(qhc + g);
+        for (int st = 0; st < 2; ++st) {
+          const int jb = j + st;
+          const __m256i v = jb <= 4 ? _mm256_slli_epi32(hv, 4 - jb) : _mm256_srli_epi32(hv, jb - 4);
+          w[st * 8 + g] = _mm256_or_si256(w[st * 8 + g], _mm256_and_si256(v, b4));
+        }
+      }
+    }
+    (void)dw;
+    (void)mw;
+  } else if constexpr (WT == DType::Q6_K) {
+    // Block jj (0..3) of half hh: low 4 bits in ql[64 hh + 32 (jj & 1) + i] >> 4 (jj >> 1), high
+    // 2 bits in qh[32 hh + i] >> 2 jj (i = element in the block).
+    const int64_t sb = (b0 >> 3) * 210;
+    const int j = (int)(b0 & 7), hh = j >> 2, jj0 = j & 3;
+    const int s1 = 4 * (jj0 >> 1);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    __m256i qh[8];
+    tr8(r, sb + 128 + 32 * hh, qh);
+    tr8(r, sb + 128 + 32 * hh + 16, qh + 4);
+    for (int st = 0; st < 2; ++st) {
+      __m256i ql[8];
+      tr8(r, sb + 64 * hh + 32 * st, ql);
+      tr8(r, sb + 64 * hh + 32 * st + 16, ql + 4);
+      const int s2 = 2 * (jj0 + st);
+      for (int g = 0; g < 8; ++g) {
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(ql[g], s1), m4);
+        const __m256i hi = s2 <= 4 ? _mm256_slli_epi32(qh[g], 4 - s2) : _mm256_srli_epi32(qh[g], s2 - 4);
+        w[st * 8 + g] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+      }
+    }
+    (void)dw;
+    (void)mw;
+  } else {
+    const int64_t o = b0 * c.bs;
+    if constexpr (WT == DType::Q8_0) {
+      tr8(r, o + 2, w);
+      tr8(r, o + 18, w + 4);
+      if constexpr (VNNI)
+        for (int g = 0; g < 8; ++g) w[g] = _mm256_xor_si256(w[g], _mm256_set1_epi8((char)0x80));
+    } else {
+      constexpr int qo = WT == DType::Q4_0 ? 2 : WT == DType::Q4_1 ? 4 : WT == DType::Q5_0 ? 6 : 8;
+      __m256i t[4];
+      tr8(r, o + qo, t);
+      for (int g = 0; g < 4; ++g) {
+        w[g] = _mm256_and_si256(t[g], m4);
+        w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(t[g], 4), m4);
+      }
+      if constexpr (WT == DType::Q5_0 || WT == DType::Q5_1) {
+        const __m256i qh = gat8(c, h, o + (WT == DType::Q5_1 ? 4 : 2));
+        for (int g = 0; g < 8; ++g) w[g] = _mm256_or_si256(w[g], qh_bits8(qh, g));
+      }
+    }
+    const __m256i g = gat8(c, h, o);
+    const __m256i pk = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(g, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(g, 16)), _MM_SHUFFLE(3, 1, 2, 0));
+    dw = _mm256_cvtph_ps(_mm256_castsi256_si128(pk));
+    if constexpr (kHasMin<WT>) mw = _mm256_cvtph_ps(_mm256_extracti128_si256(pk, 1));
+    else (void)mw;
+  }
+}
+
+PF_AVX2 PF_INLINE __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The exact block sums of one activation row (x: its block) with the decoded block w: z (Q6_K:
+// z = first half, zh = second half), each starting from its chain offset.
+template <DType WT>
+PF_AVXVNNI PF_INLINE void xdot_vnni(const __m256i* w, const int8_t* x, __m256i i0, __m256i i1, __m256i& z, __m256i& zh) {
+  __m256i z0 = i0, z1 = i1;
+  for (int g = 0; g < 4; ++g) {
+    z0 = _mm256_dpbusd_avx_epi32(z0, w[g], bcast4(x + 4 * g));
+    z1 = _mm256_dpbusd_avx_epi32(z1, w[g + 4], bcast4(x + 16 + 4 * g));
+  }
+  if constexpr (WT == DType::Q6_K) {
+    z = z0;
+    zh = z1;
+  } else {
+    z = _mm256_add_epi32(z0, z1);
+    (void)zh;
+  }
+}
+
+template <DType WT>
+PF_AVX2 PF_INLINE void xdot_plain(const __m256i* w, const int8_t* x, __m256i i0, __m256i i1, __m256i& z, __m256i& zh) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (WT == DType::Q8_0) {  // signed codes: |w| * sign(x, w), pair sums fit int16
+    __m256i acc = i0;
+    for (int g = 0; g < 8; ++g) {
+      const __m256i xv = bcast4(x + 4 * g);
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[g], w[g]), _mm256_sign_epi8(xv, w[g])), ones));
+    }
+    z = acc;
+    (void)i1;
+    (void)zh;
+  } else if constexpr (WT == DType::Q4_0 || WT == DType::Q4_1 || WT == DType::Q4_K) {
+    // codes <= 15: all 16 products of an int16 lane fit (16 * 15 * 127 < 2^15)
+    __m256i s = _mm256_maddubs_epi16(w[0], bcast4(x));
+    for (int g = 1; g < 8; ++g) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g], bcast4(x + 4 * g)));
+    z = _mm256_add_epi32(i0, _mm256_madd_epi16(s, ones));
+    (void)i1;
+    (void)zh;
+  } else if constexpr (WT == DType::Q6_K) {
+    // codes <= 63: sums of two maddubs fit int16 (4 * 63 * 127 < 2^15)
+    __m256i p[4];
+    for (int q = 0; q < 4; ++q)
+      p[q] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w[2 * q], bcast4(x + 8 * q)),
+                                                _mm256_maddubs_epi16(w[2 * q + 1], bcast4(x + 8 * q + 4))),
+                               ones);
+    z = _mm256_add_epi32(_mm256_add_epi32(i0, p[0]), p[1]);
+    zh = _mm256_add_epi32(_mm256_add_epi32(i1, p[2]), p[3]);
+  } else {  // codes <= 31: four maddubs per int16 sum (8 * 31 * 127 < 2^15)
+    __m256i s0 = _mm256_maddubs_epi16(w[0], bcast4(x)), s1 = _mm256_maddubs_epi16(w[4], bcast4(x + 16));
+    for (int g = 1; g < 4; ++g) {
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[g], bcast4(x + 4 * g)));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[g + 4], bcast4(x + 16 + 4 * g)));
+    }
+    z = _mm256_add_epi32(i0, _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones)));
+    (void)i1;
+    (void)zh;
+  }
+}
+
+// The chunk's decoded blocks in the scratch and per-row integer offsets (see qgemm_xt2).
+struct XtBuf2 {
+  __m256i* wt;         // [2][nb][8]
+  float* dwt;          // [nb][16] block tables, row order
+  float* mwt;
+  const int32_t* slo;  // Q6_K sub-scales
+  const int32_t* shi;
+  const int32_t* o0;   // chain starts per (row, block) in ActQ meta order from row group m0 / 4
+  const int32_t* o1;
+  size_t obase;        // meta index of (m0 & ~3, block 0)
+  __m256i* qhc;        // Q5_K: transposed qh of the current super-block
+};
+
+enum XtMode2 { kDecode2 = 0, kDecodeStore2 = 1, kLoad2 = 2 };
+
+// RM activation rows from m, weight rows 8 h .. 8 h + 7 of the chunk: y[m + i][n0 + 8 h + r].
+#define PF_XT2_BODY(VNNI, DOT)                                                                        \
+  constexpr int STEP = kStep<WT>;                                                                     \
+  constexpr bool kOff = (WT == DType::Q8_0 && VNNI) || kOffsetShift<WT> > 0 || WT == DType::Q6_K;     \
+  const int64_t nb = c.nb;                                                                            \
+  const int8_t* xq[RM];                                                                               \
+  size_t mo[RM];                                                                                      \
+  for (int i = 0; i < RM; ++i) {                                                                      \
+    xq[i] = a.q + (m + i) * a.K;                                                                      \
+    mo[i] = a.meta(m + i, 0);                                                                         \
+  }                                                                                                   \
+  __m256 acc[RM];                                                                                     \
+  for (int i = 0; i < RM; ++i) acc[i] = _mm256_setzero_ps();                                          \
+  __m256i* wt = xb.wt + h * nb * 8;                                                                   \
+  for (int64_t b0 = 0; b0 < nb; b0 += STEP) {                                                         \
+    __m256i w[STEP * 8];                                                                              \
+    __m256 dw0, mw0;                                                                                  \
+    if constexpr (MODE == kLoad2) {                                                                   \
+      for (int k = 0; k < STEP * 8; ++k) w[k] = _mm256_load_si256(wt + b0 * 8 + k);                   \
+    } else {                                                                                          \
+      if (h == 0) /* the chunk after next, into L2 (rows are read interleaved) */                     \
+        for (int64_t o = 0; o < STEP * c.pf_step; o += 64)                                            \
+          _mm_prefetch((const char*)c.pf + b0 * c.pf_step + o, _MM_HINT_T1);                          \
+      xt2_decode<WT, VNNI>(c, xb.qhc, h, b0, w, dw0, mw0);                                            \
+      if constexpr (MODE == kDecodeStore2) {                                                          \
+        for (int k = 0; k < STEP * 8; ++k) _mm256_store_si256(wt + b0 * 8 + k, w[k]);                 \
+        if constexpr (!kIsK<WT>) {                                                                    \
+          _mm256_store_ps(xb.dwt + b0 * 16 + 8 * h, dw0);                                             \
+          if constexpr (kHasMin<WT>) _mm256_store_ps(xb.mwt + b0 * 16 + 8 * h, mw0);                  \
+        }                                                                                             \
+      }                                                                                               \
+    }                                                                                                 \
+    for (int st = 0; st < STEP; ++st) {                                                               \
+      const int64_t b = b0 + st;                                                                      \
+      const __m256i* wb = w + st * 8;                                                                 \
+      __m256 dw, mw, sl, sh;                                                                          \
+      if (kIsK<WT> || MODE == kLoad2) {                                                               \
+        dw = _mm256_load_ps(xb.dwt + b * 16 + 8 * h);                                                 \
+        if constexpr (kHasMin<WT>) mw = _mm256_load_ps(xb.mwt + b * 16 + 8 * h);                      \
+      } else {                                                                                        \
+        dw = dw0;                                                                                     \
+        mw = mw0;                                                                                     \
+      }                                                                                               \
+      if constexpr (WT == DType::Q6_K) {                                                              \
+        sl = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)(xb.slo + b * 16 + 8 * h)));        \
+        sh = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i*)(xb.shi + b * 16 + 8 * h)));        \
+      }                                                                                               \
+      for (int i = 0; i < RM; ++i) {                                                                  \
+        const size_t mi = mo[i] + (size_t)b * 4;                                                      \
+        const __m256i i0 = kOff ? _mm256_set1_epi32(xb.o0[mi - xb.obase]) : _mm256_setzero_si256();   \
+        const __m256i i1 = WT == DType::Q6_K ? _mm256_set1_epi32(xb.o1[mi - xb.obase]) : _mm256_setzero_si256(); \
+        __m256i z, zh;                                                                                \
+        DOT<WT>(wb, xq[i] + b * QK, i0, i1, z, zh);                                                   \
+        const __m256 dxw = _mm256_mul_ps(_mm256_set1_ps(a.d[mi]), dw);                                \
+        if constexpr (WT == DType::Q6_K) {                                                            \
+          /* exact in float: |isum| < 2^24 and so is every partial product */                         \
+          const __m256 rr = _mm256_fmadd_ps(sl, _mm256_cvtepi32_ps(z), _mm256_mul_ps(sh, _mm256_cvtepi32_ps(zh))); \
+          acc[i] = _mm256_fmadd_ps(dxw, rr, acc[i]);                                                  \
+        } else {                                                                                      \
+          acc[i] = _mm256_fmadd_ps(dxw, _mm256_cvtepi32_ps(z), acc[i]);                               \
+          if constexpr (kHasMin<WT>) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.f[mi]), acc[i]);   \
+        }                                                                                             \
+      }                                                                                               \
+    }                                                                                                 \
+  }                                                                                                   \
+  const int nj = nv - 8 * h < 8 ? nv - 8 * h : 8;                                                     \
+  const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(nj), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); \
+  for (int i = 0; i < RM; ++i)                                                                        \
+    _mm256_maskstore_ps(reinterpret_cast<float*>(yv.row(m + i)) + n0 + 8 * h, mk, acc[i]);
+
+template <DType WT, int RM, int MODE>
+PF_AVX2 void xt2_pass(const QCtx& c, const XtBuf2& xb, const ActQ& a, int64_t m, int h, const RowView& yv, int64_t n0, int nv) {
+  PF_XT2_BODY(false, xdot_plain)
+}
+template <DType WT, int RM, int MODE>
+PF_AVXVNNI void xt2_pass_vnni(const QCtx& c, const XtBuf2& xb, const ActQ& a, int64_t m, int h, const RowView& yv, int64_t n0,
+                              int nv) {
+  PF_XT2_BODY(true, xdot_vnni)
+}
+#undef PF_XT2_BODY
+
+template <DType WT, int MODE>
+PF_AVX2 void xt2_rows(const QCtx& c, const XtBuf2& xb, const ActQ& a, int64_t m, int rm, int h, const RowView& yv, int64_t n0,
+                      int nv, bool vnni) {
+  switch (rm) {
+#define PF_XT2_CASE(R)                                                        \
+  case R:                                                                     \
+    if constexpr (R <= kXtRows2) {                                            \
+      if (vnni) xt2_pass_vnni<WT, R, MODE>(c, xb, a, m, h, yv, n0, nv);       \
+      else xt2_pass<WT, R, MODE>(c, xb, a, m, h, yv, n0, nv);                 \
+    }                                                                         \
+    break;
+    PF_XT2_CASE(1) PF_XT2_CASE(2) PF_XT2_CASE(3) PF_XT2_CASE(4)
+#undef PF_XT2_CASE
+    default: break;
+  }
+}
+
+// Scratch: decoded blocks (2 * nb * 8 ymm), four [nb][16] tables (+16), the offset tables, the
+// Q5_K qh cache.
+template <DType WT>
+PF_AVX2 void qgemm_xt2(const QJob& j, const QCtx& c, int nv, bool vnni) {
+  const int64_t nb = c.nb;
+  const ActQ& a = j.a;
+  XtBuf2 xb;
+  xb.wt = reinterpret_cast<__m256i*>(j.scratch);
+  float* tabs = j.scratch + nb * 128;
+  const int64_t tab = nb * 16 + 16;
+  xb.dwt = tabs;
+  xb.mwt = tabs + tab;
+  int32_t* slo = reinterpret_cast<int32_t*>(tabs + 2 * tab);
+  int32_t* shi = reinterpret_cast<int32_t*>(tabs + 3 * tab);
+  xb.slo = slo;
+  xb.shi = shi;
+  if constexpr (kIsK<WT>) fill_ktables_avx2<WT>(c, xb.dwt, xb.mwt, slo, shi);
+  // Integer offsets the dot chains start from, in ActQ's meta order (groups of 4 rows):
+  // Q4_0 / Q5_0 / Q8_0 (AVX-VNNI, biased codes): -(offset * sx); Q6_K: -32 hx and -32 (sx - hx).
+  const int64_t g0 = j.m0 >> 2, g1 = (j.m1 + 3) >> 2;
+  xb.obase = (size_t)(g0 * nb) * 4;
+  const int64_t n_meta = (g1 - g0) * nb * 4;  // a multiple of 4
+  int32_t* o0 = reinterpret_cast<int32_t*>(tabs + 4 * tab);
+  int32_t* o1 = o0 + ((n_meta + 15) & ~(int64_t)15);
+  xb.o0 = o0;
+  xb.o1 = o1;
+  xb.qhc = reinterpret_cast<__m256i*>(((uintptr_t)(o1 + ((n_meta + 15) & ~(int64_t)15)) + 63) & ~(uintptr_t)63);
+  const int32_t* sx = a.s + xb.obase;
+  if constexpr (WT == DType::Q6_K) {
+    const int32_t* hx = a.h + xb.obase;
+    for (int64_t k = 0; k < n_meta; k += 4) {
+      const __m128i s = _mm_loadu_si128((const __m128i*)(sx + k)), h = _mm_loadu_si128((const __m128i*)(hx + k));
+      _mm_storeu_si128((__m128i*)(o0 + k), _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(h, 5)));
+      _mm_storeu_si128((__m128i*)(o1 + k), _mm_slli_epi32(_mm_sub_epi32(h, s), 5));
+    }
+  } else if constexpr (WT == DType::Q8_0 || kOffsetShift<WT> > 0) {
+    if (WT != DType::Q8_0 || vnni) {
+      const int sh = WT == DType::Q8_0 ? 7 : kOffsetShift<WT>;
+      for (int64_t k = 0; k < n_meta; k += 4) {
+        const __m128i s = _mm_loadu_si128((const __m128i*)(sx + k));
+        _mm_storeu_si128((__m128i*)(o0 + k), _mm_sub_epi32(_mm_setzero_si128(), _mm_sll_epi32(s, _mm_cvtsi32_si128(sh))));
+      }
+    }
+  }
+  const int64_t M = j.m1 - j.m0;
+  for (int h = 0; h < 2 && 8 * h < nv; ++h) {
+    if (M <= kXtRows2) {
+      xt2_rows<WT, kDecode2>(c, xb, a, j.m0, (int)M, h, j.y, j.n0, nv, vnni);
+      continue;
+    }
+    if (vnni) xt2_pass_vnni<WT, kXtRows2, kDecodeStore2>(c, xb, a, j.m0, h, j.y, j.n0, nv);
+    else xt2_pass<WT, kXtRows2, kDecodeStore2>(c, xb, a, j.m0, h, j.y, j.n0, nv);
+    for (int64_t m = j.m0 + kXtRows2; m < j.m1; m += kXtRows2) {
+      const int rm = j.m1 - m < kXtRows2 ? (int)(j.m1 - m) : kXtRows2;
+      xt2_rows<WT, kLoad2>(c, xb, a, m, rm, h, j.y, j.n0, nv, vnni);
+    }
+  }
+}
+
 template <DType WT>
 PF_AVX2 void qgemm_t(const QJob& j, bool vnni) {
   QCtx c;
@@ -409,6 +771,11 @@ PF_AVX2 void qgemm_t(const QJob& j, bool vnni) {
   const int64_t span = (int64_t)(c.rows[15] - c.rows[0]);
   const bool gather_ok = span <= INT32_MAX && span >= INT32_MIN;
   for (int r = 0; r < 16; ++r) c.offs[r] = gather_ok ? (int32_t)(c.rows[r] - c.rows[0]) : 0;
+  // Two rows of Q5_K are cheaper in the tiles below (its transposed decode costs more).
+  if (gather_ok && j.m1 - j.m0 >= (WT == DType::Q5_K ? 3 : 2)) {
+    qgemm_xt2<WT>(j, c, nv, vnni);
+    return;
+  }
   // A single activation row reads the block scales inside the kernel (32-block types);
   // otherwise they are converted once per chunk into [b][row] tables.
   const bool single = !kIsK<WT> && j.m1 - j.m0 == 1 && gather_ok;

@@ -67,6 +67,8 @@ struct QCtx {
   int64_t nb, K;
   int bs;                   // weight block bytes (32-block types)
   __m512i offs;             // byte offsets of the rows from rows[0] (when span fits int32)
+  __m256i offs_lo, offs_hi; // the same, rows 0..7 / 8..15
+  __m512i* qh;              // Q5_K: the current super-block's qh, transposed (8 vectors, scratch)
   bool gather_ok;
   const uint8_t* pf;        // the chunk after next, prefetched (into L2) while this one runs
   int64_t pf_step;          // bytes of it to prefetch per block
@@ -318,6 +320,310 @@ PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t*
   }
 }
 
+// ----------------------------------------------------------------------------- quantized, rows >= 2
+//
+// Several activation rows share each weight block, so a weight block of the chunk's 16 rows is
+// decoded once into a transposed form: eight vectors W[g] whose lane r holds the u8 codes of
+// elements 4g .. 4g+3 of weight row r (Q8_0: biased by +128). Per activation row, the block's 16
+// exact integer sums are then eight vpdpbusd of W[g] with the broadcast dword g of the row's int8
+// block (no per-pair reduction), followed by one float stage for the 16 pairs. The first pass over
+// the blocks decodes (gathers) and computes up to kXtRows rows at once; with more rows it also
+// stores the decoded blocks in the scratch and later passes read them from there. The arithmetic
+// per pair is the one quant.h fixes (the integer sums are exact, whatever their order).
+
+template <DType WT>
+constexpr int kXtRows = kIsK<WT> ? 4 : 8;  // activation rows per pass (accumulators in registers)
+
+// Lane r = the 4 bytes at rows[r] + off.
+PF_AVX512 PF_INLINE __m512i gat(const QCtx& c, int64_t off) {
+  return _mm512_i32gather_epi32(c.offs, c.rows[0] + off, 1);
+}
+
+// Lane r of t0 / t1 = the 4 bytes at rows[r] + off / off + 4 (two 8-byte gathers of 8 rows each).
+PF_AVX512 PF_INLINE void gat2(const QCtx& c, int64_t off, __m512i& t0, __m512i& t1) {
+  const __m512i a = _mm512_i32gather_epi64(c.offs_lo, c.rows[0] + off, 1);
+  const __m512i b = _mm512_i32gather_epi64(c.offs_hi, c.rows[0] + off, 1);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  t0 = _mm512_permutex2var_epi32(a, even, b);
+  t1 = _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+}
+
+// Byte t of lane r = 0x10 where bit (4 * g + t) of the 32-bit value in lane r of qh is set.
+PF_AVX512 PF_INLINE __m512i qh_bits(__m512i qh, int g) {
+  const int by = g >> 1;  // the byte holding bits 4g .. 4g+3
+  const __m512i ctrl = _mm512_add_epi8(_mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0), _mm512_set1_epi8((char)by));
+  const __m512i rep = _mm512_shuffle_epi8(qh, ctrl);  // each dword: its own byte `by`, 4 times
+  const __m512i bit = _mm512_set1_epi32((g & 1) ? (int)0x80402010 : 0x08040201);
+  return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(rep, bit), _mm512_set1_epi8(0x10));
+}
+
+// w | (v & 0x10 in every byte)
+PF_AVX512 PF_INLINE __m512i or_b4(__m512i w, __m512i v) {
+  return _mm512_ternarylogic_epi32(w, v, _mm512_set1_epi8(0x10), 0xF8);
+}
+
+// Decodes STEP blocks from b0 into w[st * 8 + g]; 32-block types also give the block's dw / mw.
+template <DType WT>
+PF_AVX512 PF_INLINE void xt_decode(const QCtx& c, int64_t b0, __m512i* w, __m512& dw, __m512& mw) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if constexpr (WT == DType::Q4_K || WT == DType::Q5_K) {
+    constexpr int SB = kSuperBytes<WT>;
+    const int64_t sb = (b0 >> 3) * SB;
+    const int j = (int)(b0 & 7);
+    const int64_t qo = sb + (WT == DType::Q4_K ? 16 : 48) + 32 * (j >> 1);
+    for (int g = 0; g < 8; g += 2) {
+      __m512i t[2];
+      gat2(c, qo + 4 * g, t[0], t[1]);
+      for (int u = 0; u < 2; ++u) {
+        w[g + u] = _mm512_and_si512(t[u], m4);
+        w[8 + g + u] = _mm512_and_si512(_mm512_srli_epi16(t[u], 4), m4);
+      }
+      if constexpr (WT == DType::Q5_K) {  // bit j of qh[l] = bit 4 of element l of block j
+        // The super-block's qh (shared by its 8 blocks) is gathered with its first pair.
+        __m512i h[2];
+        if (j == 0) {
+          gat2(c, sb + 16 + 4 * g, h[0], h[1]);
+          _mm512_store_si512(c.qh + g, h[0]);
+          _mm512_store_si512(c.qh + g + 1, h[1]);
+        } else {
+          h[0] = _mm512_load_si512(c.qh + g);
+          h[1] = _mm512_load_si512(c.qh + g + 1);
+        }
+        for (int u = 0; u < 2; ++u)
+          for (int st = 0; st < 2; ++st) {
+            const int jb = j + st;
+            const __m512i v = jb <= 4 ? _mm512_slli_epi32(h[u], 4 - jb) : _mm512_srli_epi32(h[u], jb - 4);
+            w[st * 8 + g + u] = or_b4(w[st * 8 + g + u], v);
+          }
+      }
+    }
+    (void)dw;
+    (void)mw;
+  } else if constexpr (WT == DType::Q6_K) {
+    // Block jj (0..3) of half h: low 4 bits in ql[64 h + 32 (jj & 1) + i] >> 4 (jj >> 1), high 2
+    // bits in qh[32 h + i] >> 2 jj (i = element in the block).
+    const int64_t sb = (b0 >> 3) * 210;
+    const int j = (int)(b0 & 7), h = j >> 2, jj0 = j & 3;
+    const int s1 = 4 * (jj0 >> 1);
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    for (int g = 0; g < 8; g += 2) {
+      __m512i qh[2];
+      gat2(c, sb + 128 + 32 * h + 4 * g, qh[0], qh[1]);
+      for (int st = 0; st < 2; ++st) {
+        __m512i ql[2];
+        gat2(c, sb + 64 * h + 32 * st + 4 * g, ql[0], ql[1]);
+        const int s2 = 2 * (jj0 + st);
+        for (int u = 0; u < 2; ++u) {
+          const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(ql[u], s1), m4);
+          const __m512i hi = s2 <= 4 ? _mm512_slli_epi32(qh[u], 4 - s2) : _mm512_srli_epi32(qh[u], s2 - 4);
+          w[st * 8 + g + u] = _mm512_ternarylogic_epi32(lo, hi, m30, 0xF8);  // lo | (hi & 0x30)
+        }
+      }
+    }
+    (void)dw;
+    (void)mw;
+  } else {
+    const int64_t o = b0 * c.bs;
+    __m512i t[8];
+    if constexpr (WT == DType::Q8_0) {
+      const __m512i bias = _mm512_set1_epi8((char)0x80);
+      for (int g = 0; g < 8; g += 2) gat2(c, o + 2 + 4 * g, t[g], t[g + 1]);
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(t[g], bias);
+    } else {
+      constexpr int qo = WT == DType::Q4_0 ? 2 : WT == DType::Q4_1 ? 4 : WT == DType::Q5_0 ? 6 : 8;
+      gat2(c, o + qo, t[0], t[1]);
+      gat2(c, o + qo + 8, t[2], t[3]);
+      for (int g = 0; g < 4; ++g) {
+        w[g] = _mm512_and_si512(t[g], m4);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(t[g], 4), m4);
+      }
+      if constexpr (WT == DType::Q5_0 || WT == DType::Q5_1) {
+        const __m512i qh = gat(c, o + (WT == DType::Q5_1 ? 4 : 2));
+        for (int g = 0; g < 8; ++g) w[g] = _mm512_or_si512(w[g], qh_bits(qh, g));
+      }
+    }
+    const __m512i g = gat(c, o);
+    dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    if constexpr (kHasMin<WT>) mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    else (void)mw;
+  }
+}
+
+PF_AVX512 PF_INLINE __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The chunk's decoded blocks in the scratch and per-row integer offsets (see qgemm_xt).
+struct XtBuf {
+  __m512i* wt;         // [nb][8]
+  float* dwt;          // [nb][16] block tables, row order
+  float* mwt;
+  const int32_t* slo;  // Q6_K sub-scales
+  const int32_t* shi;
+  const int32_t* o0;   // chain starts per (row, block) in ActQ meta order from row group m0 / 4
+  const int32_t* o1;
+  size_t obase;        // meta index of (m0 & ~3, block 0)
+};
+
+enum XtMode { kDecode = 0, kDecodeStore = 1, kLoad = 2 };
+
+// RM activation rows from m: y[m + i][n0 + r] for r < nv.
+template <DType WT, int RM, int MODE>
+PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
+  constexpr int STEP = kStep<WT>;
+  constexpr bool kOff = WT == DType::Q8_0 || kOffsetShift<WT> > 0;
+  const int64_t nb = c.nb;
+  const int8_t* xq[RM];
+  size_t mo[RM];  // meta index of (row, block 0); stride 4 per block
+  for (int i = 0; i < RM; ++i) {
+    xq[i] = a.q + (m + i) * a.K;
+    mo[i] = a.meta(m + i, 0);
+  }
+  __m512 acc[RM];
+  for (int i = 0; i < RM; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += STEP) {
+    __m512i w[STEP * 8];
+    __m512 dw0, mw0;
+    if constexpr (MODE == kLoad) {
+      for (int k = 0; k < STEP * 8; ++k) w[k] = _mm512_load_si512(xb.wt + b0 * 8 + k);
+    } else {
+      // The chunk after next, into L2 while this one is decoded (its rows are read in an
+      // interleaved order the hardware prefetchers do not follow).
+      for (int64_t o = 0; o < STEP * c.pf_step; o += 64) _mm_prefetch((const char*)c.pf + b0 * c.pf_step + o, _MM_HINT_T1);
+      xt_decode<WT>(c, b0, w, dw0, mw0);
+      if constexpr (MODE == kDecodeStore) {
+        for (int k = 0; k < STEP * 8; ++k) _mm512_store_si512(xb.wt + b0 * 8 + k, w[k]);
+        if constexpr (!kIsK<WT>) {
+          _mm512_store_ps(xb.dwt + b0 * 16, dw0);
+          if constexpr (kHasMin<WT>) _mm512_store_ps(xb.mwt + b0 * 16, mw0);
+        }
+      }
+    }
+    for (int st = 0; st < STEP; ++st) {
+      const int64_t b = b0 + st;
+      const __m512i* wb = w + st * 8;
+      __m512 dw, mw, sl, sh;
+      if (kIsK<WT> || MODE == kLoad) {
+        dw = _mm512_load_ps(xb.dwt + b * 16);
+        if constexpr (kHasMin<WT>) mw = _mm512_load_ps(xb.mwt + b * 16);
+      } else {
+        dw = dw0;
+        mw = mw0;
+      }
+      if constexpr (WT == DType::Q6_K) {
+        sl = _mm512_cvtepi32_ps(_mm512_load_si512(xb.slo + b * 16));
+        sh = _mm512_cvtepi32_ps(_mm512_load_si512(xb.shi + b * 16));
+      }
+      for (int i = 0; i < RM; ++i) {
+        const int8_t* x = xq[i] + b * QK;
+        const size_t mi = mo[i] + (size_t)b * 4;
+        const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), dw);
+        if constexpr (WT == DType::Q6_K) {
+          // isum = sl * (lo - 32 hx) + sh * (hi - 32 (sx - hx)); the chains start at the offsets.
+          // Exact in float: |isum| < 2^24 and so is every partial product.
+          __m512i z0 = _mm512_set1_epi32(xb.o0[mi - xb.obase]);
+          __m512i z1 = _mm512_set1_epi32(xb.o1[mi - xb.obase]);
+          for (int g = 0; g < 4; ++g) {
+            z0 = _mm512_dpbusd_epi32(z0, wb[g], bcast4(x + 4 * g));
+            z1 = _mm512_dpbusd_epi32(z1, wb[g + 4], bcast4(x + 16 + 4 * g));
+          }
+          const __m512 r = _mm512_fmadd_ps(sl, _mm512_cvtepi32_ps(z0), _mm512_mul_ps(sh, _mm512_cvtepi32_ps(z1)));
+          acc[i] = _mm512_fmadd_ps(dxw, r, acc[i]);
+        } else {
+          __m512i z;
+          if constexpr (RM >= 99) {  // one chain (enough independent rows to hide its latency)
+            z = kOff ? _mm512_set1_epi32(xb.o0[mi - xb.obase]) : _mm512_setzero_si512();
+            for (int g = 0; g < 8; ++g) z = _mm512_dpbusd_epi32(z, wb[g], bcast4(x + 4 * g));
+          } else {
+            __m512i z0 = kOff ? _mm512_set1_epi32(xb.o0[mi - xb.obase]) : _mm512_setzero_si512();
+            __m512i z1 = _mm512_setzero_si512();
+            for (int g = 0; g < 4; ++g) {
+              z0 = _mm512_dpbusd_epi32(z0, wb[g], bcast4(x + 4 * g));
+              z1 = _mm512_dpbusd_epi32(z1, wb[g + 4], bcast4(x + 16 + 4 * g));
+            }
+            z = _mm512_add_epi32(z0, z1);
+          }
+          acc[i] = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(z), acc[i]);
+          if constexpr (kHasMin<WT>) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.f[mi]), acc[i]);
+        }
+      }
+    }
+  }
+  const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
+  for (int i = 0; i < RM; ++i) _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m + i)) + n0, mk, acc[i]);
+}
+
+template <DType WT, int MODE>
+PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, int rm, const RowView& yv, int64_t n0,
+                       int nv) {
+  switch (rm) {
+#define PF_XT_CASE(R) \
+  case R: if constexpr (R <= kXtRows<WT>) xt_pass<WT, R, MODE>(c, xb, a, m, yv, n0, nv); break;
+    PF_XT_CASE(1) PF_XT_CASE(2) PF_XT_CASE(3) PF_XT_CASE(4) PF_XT_CASE(5) PF_XT_CASE(6) PF_XT_CASE(7) PF_XT_CASE(8)
+#undef PF_XT_CASE
+    default: break;
+  }
+}
+
+// Scratch: decoded blocks (nb * 8 vectors), four [nb][16] tables (+16), then the offset tables.
+template <DType WT>
+PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
+  const int64_t nb = c.nb;
+  const ActQ& a = j.a;
+  XtBuf xb;
+  xb.wt = reinterpret_cast<__m512i*>(j.scratch);
+  float* tabs = j.scratch + nb * 128;
+  const int64_t tab = nb * 16 + 16;
+  xb.dwt = tabs;
+  xb.mwt = tabs + tab;
+  int32_t* slo = reinterpret_cast<int32_t*>(tabs + 2 * tab);
+  int32_t* shi = reinterpret_cast<int32_t*>(tabs + 3 * tab);
+  xb.slo = slo;
+  xb.shi = shi;
+  if constexpr (kIsK<WT>) fill_ktables_avx512<WT>(c, xb.dwt, xb.mwt, slo, shi);
+  // Integer offsets the dot chains start from, in ActQ's meta order (groups of 4 rows):
+  // Q4_0 / Q5_0 / Q8_0: -(offset * sx); Q6_K: -32 hx and -32 (sx - hx).
+  const int64_t g0 = j.m0 >> 2, g1 = (j.m1 + 3) >> 2;
+  xb.obase = (size_t)(g0 * nb) * 4;
+  const int64_t n_meta = (g1 - g0) * nb * 4;
+  int32_t* o0 = reinterpret_cast<int32_t*>(tabs + 4 * tab);
+  int32_t* o1 = o0 + ((n_meta + 15) & ~(int64_t)15);
+  xb.o0 = o0;
+  xb.o1 = o1;
+  c.qh = reinterpret_cast<__m512i*>(((uintptr_t)(o1 + ((n_meta + 15) & ~(int64_t)15)) + 63) & ~(uintptr_t)63);
+  if constexpr (WT == DType::Q6_K) {
+    const int32_t* sx = a.s + xb.obase;
+    const int32_t* hx = a.h + xb.obase;
+    for (int64_t k = 0; k < n_meta; k += 16) {
+      const __mmask16 mk = n_meta - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_meta - k)) - 1u);
+      const __m512i s = _mm512_maskz_loadu_epi32(mk, sx + k), h = _mm512_maskz_loadu_epi32(mk, hx + k);
+      _mm512_mask_storeu_epi32(o0 + k, mk, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(h, 5)));
+      _mm512_mask_storeu_epi32(o1 + k, mk, _mm512_slli_epi32(_mm512_sub_epi32(h, s), 5));
+    }
+  } else if constexpr (WT == DType::Q8_0 || kOffsetShift<WT> > 0) {
+    const int32_t* sx = a.s + xb.obase;
+    constexpr int sh = WT == DType::Q8_0 ? 7 : kOffsetShift<WT>;
+    for (int64_t k = 0; k < n_meta; k += 16) {
+      const __mmask16 mk = n_meta - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n_meta - k)) - 1u);
+      const __m512i s = _mm512_maskz_loadu_epi32(mk, sx + k);
+      _mm512_mask_storeu_epi32(o0 + k, mk, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, sh)));
+    }
+  }
+  constexpr int RX = kXtRows<WT>;
+  const int64_t M = j.m1 - j.m0;
+  if (M <= RX) {
+    xt_rows<WT, kDecode>(c, xb, a, j.m0, (int)M, j.y, j.n0, nv);
+    return;
+  }
+  xt_pass<WT, RX, kDecodeStore>(c, xb, a, j.m0, j.y, j.n0, nv);
+  for (int64_t m = j.m0 + RX; m < j.m1; m += RX) {
+    const int rm = j.m1 - m < RX ? (int)(j.m1 - m) : RX;
+    xt_rows<WT, kLoad>(c, xb, a, m, rm, j.y, j.n0, nv);
+  }
+}
+
 template <DType WT>
 PF_AVX512 void qgemm_t(const QJob& j) {
   QCtx c;
@@ -346,6 +652,13 @@ PF_AVX512 void qgemm_t(const QJob& j) {
     alignas(64) int32_t off[16];
     for (int r = 0; r < 16; ++r) off[r] = (int32_t)(c.rows[r] - c.rows[0]);
     c.offs = _mm512_load_si512(off);
+    c.offs_lo = _mm512_castsi512_si256(c.offs);
+    c.offs_hi = _mm512_extracti64x4_epi64(c.offs, 1);
+  }
+  // Two rows of Q5_K are cheaper in the tiles below (its transposed decode costs more).
+  if (c.gather_ok && j.m1 - j.m0 >= (WT == DType::Q5_K ? 3 : 2)) {
+    qgemm_xt<WT>(j, c, nv);
+    return;
   }
   const bool single = !kIsK<WT> && j.m1 - j.m0 == 1 && c.gather_ok;
   if constexpr (kIsK<WT>) {

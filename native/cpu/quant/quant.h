@@ -111,14 +111,14 @@ bool matmul_weight_supported(DType t);
 //      acc = fma(dx_b * dw_b, (float)isum_b, acc)         (acc starts at +0)
 //      acc = fma(mw_b, fx_b, acc)                          (types with a min only)
 //  This is the same in every ISA (scalar uses std::fma), so quantized results are bit-identical
-//  across scalar / avx2 / avx512 too. (SIMD kernels form isum from unsigned weight codes and
+//  across scalar / avx2 / avx512 / neon too. (SIMD kernels form isum from unsigned weight codes and
 //  subtract the offset times sx / hx; integer sums are exact, so this changes nothing.)
 //
 //  F32 / F16 / BF16 weights (weights widened exactly to f32; any K). Per pair, an L-lane f32
 //  accumulator takes element k in lane k % L: acc[l] = fma(x[k], w[k], acc[l]) in k order, the
 //  last partial step padding with zeros; then a fixed tree: per 4-lane group
 //  g = (a0 + a2) + (a1 + a3); L = 8: g0 + g1; L = 16: (g0 + g1) + (g2 + g3).
-//  avx512 and scalar use L = 16 (bit-identical); avx2 uses L = 8.
+//  avx512, neon and scalar use L = 16 (bit-identical); avx2 uses L = 8.
 // ---------------------------------------------------------------------------------------------
 namespace mm {
 
@@ -179,6 +179,7 @@ struct ActQ {
 void quant_act_scalar(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb);
 void quant_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb);
 void quant_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb);
+void quant_act_neon(const float* x, int8_t* q, float* d, int32_t* s, float* f, int32_t* h, int64_t nb);
 
 // One work item with a quantized weight: y[m, n] for m in [m0, m1), n in [n0, n1), n1-n0 <= 16.
 struct QJob {
@@ -191,8 +192,10 @@ struct QJob {
   RowView y;                   // f32 output rows
   float* scratch = nullptr;    // per-thread, qjob_scratch_floats(nb) floats, 64-byte aligned
 };
-// Room for four [nb][16] tables (+16 padding each): weight scales, mins / sub-scales.
-inline size_t qjob_scratch_floats(int64_t nb) { return (size_t)(nb + 1) * 64; }
+// Room for the chunk's weights decoded to u8 codes (16 rows x K bytes; SIMD kernels with several
+// activation rows), four [nb][16] tables (+16 padding each: weight scales, mins / sub-scales) and
+// two per-(activation row, block) int32 tables for up to kChunkM (+3) rows.
+inline size_t qjob_scratch_floats(int64_t nb) { return (size_t)(nb + 1) * (128 + 64 + 2 * (kChunkM + 4) + 96); }
 void qgemm_scalar(const QJob& j);
 void qgemm_avx2(const QJob& j);
 // The avx2 path uses AVX-VNNI (vpdpbusd on ymm) when the CPU has it; tests switch it off to cover
@@ -200,6 +203,12 @@ void qgemm_avx2(const QJob& j);
 void avx2_use_vnni(bool on);
 bool avx2_uses_vnni();
 void qgemm_avx512(const QJob& j);
+void qgemm_neon(const QJob& j);
+// The neon path uses the dotprod extension (sdot, vdotq_s32) when the CPU has it; tests switch it
+// off to cover the plain NEON variant (vmull_s8 / vpadalq_s16) too (same results: integer sums
+// are exact). No-ops / false when not built for aarch64.
+void neon_use_dotprod(bool on);
+bool neon_uses_dotprod();
 
 // One work item with an F32/F16/BF16 weight (x rows are f32, read in place).
 struct FJob {
@@ -215,6 +224,7 @@ struct FJob {
 void fgemm_scalar(const FJob& j);
 void fgemm_avx2(const FJob& j);
 void fgemm_avx512(const FJob& j);
+void fgemm_neon(const FJob& j);
 
 // Block b of a weight row, as quant.h's arithmetic reads it: the exact integer codes c[32], the
 // scale dw and (types with a min) mw. Reference (scalar) decoding.

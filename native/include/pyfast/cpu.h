@@ -42,6 +42,13 @@ using Src = const Node*;
 // Scratch bytes an op needs (shared by all threads), given the thread count.
 size_t cpu_work_size(const Node& dst, const Node* const* src, int nth);
 
+// Best-of-reps read bandwidth in bytes/s over an nbytes buffer split across the pool's threads.
+double cpu_read_bandwidth(size_t nbytes, ThreadPool* pool, int reps);
+
+// Writes the indices of the k largest of x[0..n) (value descending, index ascending; NaN as -inf)
+// to out; returns min(k, n).
+int64_t cpu_topk_row(const float* x, int64_t n, int64_t k, int32_t* out);
+
 // Split [0, n) into nth nearly equal parts; returns [begin, end) for thread ith.
 inline void split_range(int64_t n, int ith, int nth, int64_t& b, int64_t& e) {
   const int64_t per = (n + nth - 1) / nth;

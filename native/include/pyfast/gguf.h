@@ -10,10 +10,13 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -141,8 +144,14 @@ class GGUFFile {
   const uint8_t* base() const { return base_; }
   const uint8_t* tensor_data(const GGUFTensorInfo& t) const { return base_ + t.offset; }
 
+  // Maps the tensor data into this process's page tables on a background thread (what the first
+  // decode would otherwise do one page fault at a time), so it overlaps the caller's other
+  // start-up work. Idempotent; the destructor stops and joins the thread.
+  void prefetch() const;
+
  private:
   void parse();
+  void stop_prefetch() const;
 
   std::string path_;
   const uint8_t* base_ = nullptr;
@@ -154,6 +163,9 @@ class GGUFFile {
   std::unordered_map<std::string_view, size_t> metadata_index_;
   std::vector<GGUFTensorInfo> tensors_;
   std::unordered_map<std::string_view, size_t> tensor_index_;
+  mutable std::mutex prefetch_mu_;
+  mutable std::thread prefetch_thread_;
+  mutable std::atomic<bool> prefetch_stop_{false};
 };
 
 }  // namespace pyfast

@@ -11,7 +11,7 @@
 
 namespace pyfast {
 
-constexpr int kMaxSrc = 5;
+constexpr int kMaxSrc = 8;
 
 enum class NodeKind : int32_t {
   input,     // filled by the caller before each run (owned by the plan)
@@ -30,7 +30,7 @@ struct Node {
   NodeKind kind = NodeKind::computed;
   DType dtype = DType::F32;
   Shape shape;
-  int src[kMaxSrc] = {-1, -1, -1, -1, -1};
+  int src[kMaxSrc] = {-1, -1, -1, -1, -1, -1, -1, -1};
   int n_src = 0;
   OpParams params;
   std::string name;
@@ -65,6 +65,23 @@ class Graph {
   int set_rows(int dst, int src, int idx);
   int cpy(int a, DType t);
   int argmax(int a);
+  // Activations, reductions and routing (hybrid / MoE models).
+  int sigmoid(int a);
+  int softplus(int a);
+  int l2_norm(int a, float eps);
+  int concat(int a, int b, int axis);
+  int sum(int a, int axis);
+  int topk(int a, int k);
+  int gather(int a, int ids);
+  int matmul_id(int x, int w, int ids);
+  // Recurrent ops. `seqs` is [n_seg, 4] i32 rows (t0, n_tokens, slot, src_plane): tokens
+  // [t0, t0+n) belong to state slot `slot` and start from plane `src_plane`; the op writes
+  // snapshot plane i = the state i tokens before the segment's end, for i < min(n, P).
+  int ssm_conv(int x, int w, int state, int seqs);
+  // broadcast: 0 = tiled (value head j uses key head j % Hk), 1 = interleaved (j / (Hv/Hk)).
+  // chunk_min: segments with at least this many tokens use the chunked form (0 = never).
+  int gated_delta_net(int q, int k, int v, int g, int beta, int state, int seqs, float scale, int broadcast,
+                      int chunk_min);
   int reshape(int a, const std::vector<int64_t>& dims);
   int view(int a, const std::vector<int64_t>& dims, const std::vector<int64_t>& strides,
            int64_t offset);

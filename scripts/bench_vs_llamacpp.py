@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Side-by-side CPU benchmark of pyfast and llama.cpp on the same GGUF files, in one run.
+
+Needs a llama.cpp build you made yourself (pass its bin/ directory with --llama-bin; pyfast does
+not ship or build llama.cpp). For each model file the two engines alternate, round after round,
+so both see the same machine load; the table reports medians and the pyfast / llama.cpp ratio.
+
+    python scripts/bench_vs_llamacpp.py --llama-bin ~/llama.cpp/build/bin --threads 2 --rounds 3
+
+Measured per file: pp512 and tg128 (llama-bench vs `pyfast bench`'s functions), generation with
+1 thread against the measured read bandwidth, peak RSS while generating 64 tokens and the time
+from loading the model to the first generated token (llama-simple vs pyfast.LLM).
+By default the files are the default model (SmolLM2-135M-Instruct Q4_1) and the same model
+requantized with `pyfast quantize` to Q4_K_M and Q8_0 (made on first use next to the default
+model).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+PROMPT = "Write a haiku about the sea."
+
+
+def llama_bench(bin_dir: str, model: str, threads: int, pp: int, tg: int, reps: int) -> dict[str, float]:
+    cmd = [os.path.join(bin_dir, "llama-bench"), "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json"]
+    cmd += ["-p", str(pp), "-n", str(tg)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    res = {}
+    for row in json.loads(out):
+        key = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        res[key] = float(row["avg_ts"])
+    return res
+
+
+def pyfast_bench(model: str, threads: int, pp: int, tg: int, reps: int) -> dict[str, float]:
+    from pyfast.bench import run_bench
+
+    res = run_bench(model, [pp] if pp else [], [tg] if tg else [], [threads], reps=reps, bandwidth=False)
+    return {r.test: r.tps_median for r in res}
+
+
+def llama_startup(bin_dir: str, model: str, threads: int) -> tuple[float, float]:
+    """(seconds from process start to the first generated token, peak RSS MiB) for llama-simple."""
+    exe = os.path.join(bin_dir, "llama-simple")
+    if not os.path.exists(exe):
+        return float("nan"), float("nan")
+    cmd = ["/usr/bin/time", "-f", "maxrss_kb=%M", exe, "-m", model, "-n", "64", PROMPT]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    err = p.stderr
+    rss = float(re.search(r"maxrss_kb=(\d+)", err).group(1)) / 1024
+    load = float(re.search(r"load time =\s+([\d.]+) ms", err).group(1))
+    prompt = float(re.search(r"prompt eval time =\s+([\d.]+) ms", err).group(1))
+    return (load + prompt) / 1000, rss
+
+
+_PYFAST_STARTUP = r"""
+import sys, time
+import pyfast
+t0 = time.perf_counter()
+llm = pyfast.LLM(sys.argv[1], n_ctx=512, n_threads=int(sys.argv[2]))
+first = None
+for chunk in llm.generate(sys.argv[3], max_tokens=64, temperature=0, stream=True, ignore_eos=True):
+    if first is None:
+        first = time.perf_counter() - t0
+# VmHWM, not ru_maxrss: Linux carries the parent's peak across fork+exec into ru_maxrss.
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
+print(first, int(hwm) / 1024)
+"""
+
+
+def pyfast_startup(model: str, threads: int) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, "-c", _PYFAST_STARTUP, model, str(threads), PROMPT], check=True,
+                         capture_output=True, text=True).stdout.split()
+    return float(out[0]), float(out[1])
+
+
+def default_models() -> list[str]:
+    from pyfast.hub import resolve_model
+
+    base = str(resolve_model(None))
+    out = [base]
+    for t in ("Q4_K_M", "Q8_0"):
+        dst = base.replace(".Q4_1.gguf", f".{t}.gguf")
+        if not os.path.exists(dst):
+            subprocess.run([sys.executable, "-m", "pyfast.cli", "quantize", base, dst, t], check=True,
+                           capture_output=True)
+        out.append(dst)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-bin", required=True, help="directory holding llama-bench (and llama-simple)")
+    ap.add_argument("-m", "--model", action="append", help="GGUF file (repeatable; default: see above)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per file")
+    ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions inside each round")
+    ap.add_argument("-o", "--output", default=None, help="also write the markdown table here")
+    a = ap.parse_args()
+    from pyfast.bench import read_bandwidth_gbs
+
+    models = a.model or default_models()
+    lines = [f"Machine: {os.cpu_count()} CPUs; {a.rounds} alternating rounds x {a.reps} repetitions; "
+             f"{time.strftime('%Y-%m-%d %H:%M')}; load average before: {os.getloadavg()[0]:.2f}", ""]
+    lines += ["| model | test | threads | llama.cpp t/s | pyfast t/s | ratio |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    extra = ["", "| model | 1-thread tg128 | read bandwidth | bandwidth bound | reached (pyfast) | reached (llama.cpp) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    start = ["", "| model | load -> first token, llama.cpp | pyfast | ratio | peak RSS llama.cpp | pyfast | difference |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    bw1 = read_bandwidth_gbs(1)
+    for m in models:
+        name = os.path.basename(m)
+        size = os.path.getsize(m)
+        ll: dict[str, list[float]] = {}
+        pf: dict[str, list[float]] = {}
+        ll1, pf1 = [], []
+        for _ in range(a.rounds):
+            for k, v in llama_bench(a.llama_bin, m, a.threads, 512, 128, a.reps).items():
+                ll.setdefault(k, []).append(v)
+            for k, v in pyfast_bench(m, a.threads, 512, 128, a.reps).items():
+                pf.setdefault(k, []).append(v)
+            ll1.append(llama_bench(a.llama_bin, m, 1, 0, 128, a.reps)["tg128"])
+            pf1.append(pyfast_bench(m, 1, 0, 128, a.reps)["tg128"])
+        for k in ("pp512", "tg128"):
+            l, p = statistics.median(ll[k]), statistics.median(pf[k])
+            lines.append(f"| {name} | {k} | {a.threads} | {l:.1f} | {p:.1f} | {p / l:.2f}x |")
+        bound = bw1 * 1e9 / size
+        l1, p1 = statistics.median(ll1), statistics.median(pf1)
+        extra.append(f"| {name} | pyfast {p1:.1f} / llama.cpp {l1:.1f} t/s | {bw1:.1f} GB/s | {bound:.0f} t/s "
+                     f"| {100 * p1 / bound:.0f}% | {100 * l1 / bound:.0f}% |")
+        lt, lr = llama_startup(a.llama_bin, m, a.threads)
+        pt, pr = pyfast_startup(m, a.threads)
+        start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
+                     f"| {pr - lr:+.0f} MiB |")
+        print(f"done {name}", file=sys.stderr)
+    text = "\n".join(lines + extra + start)
+    print(text)
+    if a.output:
+        with open(a.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
