@@ -100,17 +100,17 @@ struct Sched {
   std::atomic<uint8_t>* claimed = nullptr;  // [nth][stride]: share s of node k started (per run)
 };
 
-size_t sched_bytes(size_t n_exec, int nth, size_t* stride) {
-  *stride = (n_exec + 63) & ~(size_t)63;
-  return align_up(n_exec * 4) + align_up(n_exec * 8) + align_up(n_exec) + *stride * (size_t)nth;
+size_t claim_stride(size_t n_exec) { return (n_exec + 63) & ~(size_t)63; }
+
+size_t sched_bytes(size_t n_exec, int nth) {
+  return align_up(n_exec * 4) + align_up(n_exec * 8) + align_up(n_exec) + claim_stride(n_exec) * (size_t)nth;
 }
 
-Sched sched_at(uint8_t* base, size_t n_exec, int nth) {
+Sched sched_at(uint8_t* base, size_t n_exec) {
   Sched sc;
   sc.n_exec = n_exec;
+  sc.stride = claim_stride(n_exec);
   size_t off = 0;
-  const size_t bytes = sched_bytes(n_exec, nth, &sc.stride);
-  (void)bytes;
   sc.group_end = reinterpret_cast<uint32_t*>(base + off);
   off += align_up(n_exec * 4);
   sc.wofs = reinterpret_cast<uint64_t*>(base + off);
@@ -242,11 +242,9 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool)
 
   work_size_ = work;
   stats_.work_bytes = work;
-  size_t stride;
-  const size_t meta = sched_bytes(n_exec, nth, &stride);
-  work_ = alloc_aligned(align_up(work) + meta);
+  work_ = alloc_aligned(align_up(work) + sched_bytes(n_exec, nth));
   owned_.push_back(work_);
-  const Sched sc = sched_at(work_ + align_up(work), n_exec, nth);
+  const Sched sc = sched_at(work_ + align_up(work), n_exec);
   std::copy(group_end.begin(), group_end.end(), sc.group_end);
   std::copy(wofs.begin(), wofs.end(), sc.wofs);
   std::copy(shareable.begin(), shareable.end(), sc.shareable);
@@ -290,7 +288,7 @@ void Plan::run() {
   const CpuIsa isa = cpu_isa();
   const int nth = pool_ ? pool_->size() : 1;
   const size_t n_exec = exec_.size();
-  const Sched sc = sched_at(work_ + align_up(work_size_), n_exec, nth);
+  const Sched sc = sched_at(work_ + align_up(work_size_), n_exec);
   if (nth > 1)
     for (size_t i = 0; i < sc.stride * (size_t)nth; ++i) sc.claimed[i].store(0, std::memory_order_relaxed);
   std::atomic<size_t> fail_at{SIZE_MAX};

@@ -106,7 +106,9 @@ class GGUFReader:
 
     def prefetch(self) -> None:
         """Start paging the tensor data in on a background native thread (returns at once)."""
-        self._file.prefetch()
+        fn = getattr(self._file, "prefetch", None)  # absent in native modules built before it
+        if fn is not None:
+            fn()
 
     def close(self) -> None:
         """Release this reader's reference to the mapping (arrays already taken stay valid)."""

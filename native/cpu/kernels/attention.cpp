@@ -19,7 +19,8 @@ namespace pyfast {
 
 namespace {
 
-constexpr int kTile = 8;  // query rows per tile
+constexpr int kTile = 8;    // query rows per tile
+constexpr int kCells = 32;  // KV cells per block (blocked path)
 
 // Dot product with a fixed 8-lane order; the AVX2 and scalar versions differ only in speed
 // (they are separate ISAs and need not agree bit for bit).
@@ -47,25 +48,69 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* a, const fl
   return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
 }
 
-// dot_avx2 of each of the nt query rows q + r * D (D % 8 == 0) with b, into s[r]: the same
+// dot_avx2 of each of the NT query rows q + r * D (D % 8 == 0) with b, into s[r]: the same
 // per-lane FMA sequence and the same reduction tree per row, done for the rows together.
-__attribute__((target("avx2,fma,f16c"))) void dots_avx2(const float* q, int nt, const float* b, int64_t D, float* s) {
-  __m256 acc[kTile];
-  for (int r = 0; r < kTile; ++r) acc[r] = _mm256_setzero_ps();
+template <int NT>
+__attribute__((target("avx2,fma,f16c"))) inline void dots_avx2(const float* q, const float* b, int64_t D, float* s) {
+  __m256 acc[NT];
+  for (int r = 0; r < NT; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
     const __m256 bv = _mm256_loadu_ps(b + i);
-    for (int r = 0; r < kTile; ++r)
-      if (r < nt) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), bv, acc[r]);
+    for (int r = 0; r < NT; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), bv, acc[r]);
   }
   // per row: x = (t0 + t4, t1 + t5, t2 + t6, t3 + t7); then ((x0 + x1) + (x2 + x3)) by two hadds
-  __m128 x[kTile];
-  for (int r = 0; r < kTile; ++r) x[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-  for (int r = 0; r < kTile; r += 4) {
-    const __m128 y = _mm_hadd_ps(_mm_hadd_ps(x[r], x[r + 1]), _mm_hadd_ps(x[r + 2], x[r + 3]));
-    alignas(16) float t[4];
-    _mm_store_ps(t, y);
-    for (int u = 0; u < 4 && r + u < nt; ++u) s[r + u] = t[u];
+  __m128 x[(NT + 3) & ~3];
+  for (int r = 0; r < NT; ++r) x[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+  for (int r = NT; r < ((NT + 3) & ~3); ++r) x[r] = _mm_setzero_ps();
+  alignas(16) float t[(NT + 3) & ~3];
+  for (int r = 0; r < NT; r += 4)
+    _mm_store_ps(t + r, _mm_hadd_ps(_mm_hadd_ps(x[r], x[r + 1]), _mm_hadd_ps(x[r + 2], x[r + 3])));
+  for (int r = 0; r < NT; ++r) s[r] = t[r];
+}
+
+__attribute__((target("avx2,fma,f16c"))) void dots_any_avx2(const float* q, int nt, const float* b, int64_t D, float* s) {
+  switch (nt) {
+    case 1: dots_avx2<1>(q, b, D, s); break;
+    case 2: dots_avx2<2>(q, b, D, s); break;
+    case 3: dots_avx2<3>(q, b, D, s); break;
+    case 4: dots_avx2<4>(q, b, D, s); break;
+    case 5: dots_avx2<5>(q, b, D, s); break;
+    case 6: dots_avx2<6>(q, b, D, s); break;
+    case 7: dots_avx2<7>(q, b, D, s); break;
+    default: dots_avx2<8>(q, b, D, s); break;
   }
+}
+
+// One query row's online-softmax updates over a block of nc cells (cells c: score s[c * kTile]
+// before the mask, V row v + c * Dv, mask mk[c]), with the row's accumulator (NV * 8 = Dv
+// floats) in registers: per cell exactly the scalar steps and the axpy_scale_avx2 /
+// axpy_avx2 arithmetic of the cell-by-cell loop.
+template <int NV>
+__attribute__((target("avx2,fma,f16c"))) void row_update_avx2(float* acc, float& m, float& l, const float* s,
+                                                               const float* mk, const float* v, int nc) {
+  constexpr int Dv = NV * 8;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  __m256 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int c = 0; c < nc; ++c) {
+    if (mk[c] == ninf) continue;
+    const float sc = s[c * kTile] + mk[c];
+    const float* vr = v + c * Dv;
+    if (sc > m) {
+      const float e = std::exp(m - sc);  // 0 on the first cell
+      m = sc;
+      l = l * e + 1.0f;
+      const __m256 ve = _mm256_set1_ps(e);
+      for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(one, _mm256_loadu_ps(vr + 8 * i), _mm256_mul_ps(a[i], ve));
+    } else {
+      const float e = std::exp(sc - m);
+      l += e;
+      const __m256 ve = _mm256_set1_ps(e);
+      for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(ve, _mm256_loadu_ps(vr + 8 * i), a[i]);
+    }
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
 
 __attribute__((target("avx2,fma,f16c"))) void axpy_scale_avx2(float* acc, float c, const float* v, float w, int64_t n) {
@@ -110,10 +155,18 @@ inline void load_row(const Node* t, const uint8_t* p, float* out, int64_t n, boo
 
 }  // namespace
 
+namespace {
+// Floats of one thread's scratch: kCells K rows, kCells V rows, kTile accumulators, kTile query
+// copies, the [kCells][kTile] scores and kCells mask values of a block.
+inline size_t per_thread_floats(int64_t D, int64_t Dv) {
+  return (size_t)(kCells * (D + Dv) + kTile * Dv + kTile * D + kCells * kTile + kCells + 64);
+}
+}  // namespace
+
 size_t cpu_attention_work_size(const Node& dst, const Node* const* src, int nth) {
+  (void)dst;
   const int64_t D = src[0]->shape.dims[2], Dv = src[2]->shape.dims[2];
-  // per thread: one K row, one V row, kTile accumulators, kTile query copies
-  return (size_t)nth * (size_t)(D + Dv + kTile * Dv + kTile * D + 64) * sizeof(float);
+  return (size_t)nth * per_thread_floats(D, Dv) * sizeof(float);
 }
 
 void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
@@ -132,11 +185,14 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   if (p.isa != CpuIsa::scalar) kern = Kern{dot_avx2, axpy_scale_avx2, true};
 #endif
 
-  float* w = reinterpret_cast<float*>(p.wdata) + (size_t)p.ith * (size_t)(D + Dv + kTile * Dv + kTile * D + 64);
-  float* krow = w;
-  float* vrow = krow + D;
-  float* acc = vrow + Dv;           // [kTile][Dv]
-  float* qbuf = acc + kTile * Dv;   // [kTile][D]
+  float* w = reinterpret_cast<float*>(p.wdata) + (size_t)p.ith * per_thread_floats(D, Dv);
+  float* krow = w;                      // [kCells][D]
+  float* vrow = krow + kCells * D;      // [kCells][Dv]
+  float* acc = vrow + kCells * Dv;      // [kTile][Dv]
+  float* qbuf = acc + kTile * Dv;       // [kTile][D]
+  float* sbuf = qbuf + kTile * D;       // [kCells][kTile]
+  float* mkb = sbuf + kCells * kTile;   // [kCells]
+  (void)mkb;
 
   // Work items: (kv head, tile of query rows); query rows are (token, head in group). Tiles are
   // smaller than kTile when that is needed for at least 3 items per thread (a short batch has
@@ -150,7 +206,11 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   int64_t it0, it1;
   split_range(n_items, p.ith, p.nth, it0, it1);
   const float ninf = -std::numeric_limits<float>::infinity();
-  const bool batched = kern.avx2 && D % 8 == 0;  // the tile's dots together (dots_avx2)
+  // Blocked path (AVX2, D % 8 == 0, Dv = 32 / 64 / 128): per block of up to kCells visible
+  // cells, the K / V rows are converted once, the tile's scores computed together (dots_avx2),
+  // then each row runs its updates over the block with its accumulator in registers. Per row
+  // and cell the arithmetic and its order are those of the cell-by-cell loop below.
+  const bool blocked = kern.avx2 && D % 8 == 0 && (Dv == 32 || Dv == 64 || Dv == 128);
 
   for (int64_t item = it0; item < it1; ++item) {
     const int64_t hk = item / tiles_per_head;
@@ -169,7 +229,32 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       std::memset(acc + r * Dv, 0, (size_t)Dv * 4);
       mrow[r] = reinterpret_cast<const float*>(M->data + tok[r] * M->shape.strides[0]);
     }
-    for (int64_t jj = 0; jj < n_kv; ++jj) {
+#if defined(__x86_64__)
+    if (blocked) {
+      int64_t cj[kCells];
+      for (int64_t jj = 0; jj < n_kv;) {
+        int nc = 0;
+        for (; jj < n_kv && nc < kCells; ++jj) {
+          const int64_t j = O ? *reinterpret_cast<const int32_t*>(O->data + jj * O->shape.strides[0]) : jj;
+          if (j < 0 || j >= n_kv) continue;
+          bool any = false;
+          for (int r = 0; r < nt; ++r) any |= mrow[r][j] != ninf;
+          if (!any) continue;
+          load_row(K, K->data + j * K->shape.strides[0] + hk * K->shape.strides[1], krow + nc * D, D, true);
+          load_row(V, V->data + j * V->shape.strides[0] + hk * V->shape.strides[1], vrow + nc * Dv, Dv, true);
+          cj[nc++] = j;
+        }
+        for (int c = 0; c < nc; ++c) dots_any_avx2(qbuf, nt, krow + c * D, D, sbuf + c * kTile);
+        for (int r = 0; r < nt; ++r) {
+          for (int c = 0; c < nc; ++c) mkb[c] = mrow[r][cj[c]];
+          if (Dv == 64) row_update_avx2<8>(acc + r * Dv, m[r], l[r], sbuf + r, mkb, vrow, nc);
+          else if (Dv == 32) row_update_avx2<4>(acc + r * Dv, m[r], l[r], sbuf + r, mkb, vrow, nc);
+          else row_update_avx2<16>(acc + r * Dv, m[r], l[r], sbuf + r, mkb, vrow, nc);
+        }
+      }
+    }
+#endif
+    for (int64_t jj = 0; jj < n_kv && !blocked; ++jj) {
       const int64_t j = O ? *reinterpret_cast<const int32_t*>(O->data + jj * O->shape.strides[0]) : jj;
       if (j < 0 || j >= n_kv) continue;
       bool any = false;
@@ -177,14 +262,10 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       if (!any) continue;
       load_row(K, K->data + j * K->shape.strides[0] + hk * K->shape.strides[1], krow, D, kern.avx2);
       load_row(V, V->data + j * V->shape.strides[0] + hk * V->shape.strides[1], vrow, Dv, kern.avx2);
-      float sd[kTile];
-#if defined(__x86_64__)
-      if (batched) dots_avx2(qbuf, nt, krow, D, sd);
-#endif
       for (int r = 0; r < nt; ++r) {
         const float mk = mrow[r][j];
         if (mk == ninf) continue;
-        const float s = (batched ? sd[r] : kern.dot(qbuf + r * D, krow, D)) + mk;
+        const float s = kern.dot(qbuf + r * D, krow, D) + mk;
         if (s > m[r]) {
           const float c = std::exp(m[r] - s);  // 0 on the first cell
           m[r] = s;

@@ -2,10 +2,11 @@
 // Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K).
 //
 // Quantized weights: the activation rows are quantized once per op into the shared scratch
-// (split over threads by rows; up to kPrivateRows rows, each thread quantizes all of them into
-// its own area and no barrier is needed), then after a barrier the output is split into work items of
-// up to 16 weight rows x 64 activation rows; each thread takes a contiguous range of items
-// (weight-chunk major, so a thread reuses its weight rows from cache across row chunks).
+// (split over threads by rows), then after a barrier the output is split into work items of up
+// to 16 weight rows x 64 activation rows; each thread takes a contiguous range of items
+// (weight-chunk major, so a thread reuses its weight rows from cache across row chunks). With at
+// most kPrivateRows rows each thread quantizes all of them into its own area instead, and there
+// is no barrier (cpu_matmul_syncs tells the plan which case a node is).
 // Float weights read x in place (no barrier). Each output element is computed by exactly one
 // kernel call with a fixed per-pair reduction order (see cpu/quant/quant.h), so results do not
 // depend on M, the thread count or the tiling.

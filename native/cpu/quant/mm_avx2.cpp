@@ -1,6 +1,7 @@
 // AVX2 (+FMA, F16C; AVX-VNNI when present) matmul kernels. Same structure as mm_avx512.cpp with
 // 8 pairs per micro-kernel: RM activation rows x 8/RM weight rows, lane p = j * RM + i, one
-// weight block per 128-bit lane ("dual" = two weight rows in one ymm register).
+// weight block per 128-bit lane ("dual" = two weight rows in one ymm register); two or more
+// activation rows take the transposed path ("quantized, rows >= 2"), per half chunk of 8 rows.
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 

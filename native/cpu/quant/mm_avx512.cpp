@@ -6,7 +6,11 @@
 // pair's integer dot is formed in one 128-bit lane (4 int32 partials: vpdpbusd over the low and
 // high 16 elements), four such lanes per register, and a 2-level transpose-add turns the four
 // registers into one vector of 16 exact block sums. The float stage is then one FMA per block
-// for all 16 pairs.
+// for all 16 pairs. That is the path for a single activation row (generation) and, as a fallback,
+// for chunks whose rows are too far apart for 32-bit gather offsets. Two or more rows (prompt
+// chunks, speculative-decoding verify batches) take the transposed path ("quantized, rows >= 2"
+// below): the chunk's weight blocks are decoded once and shared by all rows, and a row costs
+// eight vpdpbusd and a float stage per block and 16 weight rows.
 #if defined(__x86_64__) || defined(__i386__)
 // GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* temporaries.
 #pragma GCC diagnostic ignored "-Wuninitialized"

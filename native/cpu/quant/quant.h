@@ -112,7 +112,16 @@ bool matmul_weight_supported(DType t);
 //      acc = fma(mw_b, fx_b, acc)                          (types with a min only)
 //  This is the same in every ISA (scalar uses std::fma), so quantized results are bit-identical
 //  across scalar / avx2 / avx512 / neon too. (SIMD kernels form isum from unsigned weight codes and
-//  subtract the offset times sx / hx; integer sums are exact, so this changes nothing.)
+//  subtract the offset times sx / hx; integer sums are exact, so this changes nothing.) For Q6_K
+//  the SIMD kernels with several activation rows form (float)isum_b as
+//  fma((float)scale_lo, (float)isum_lo, (float)scale_hi * (float)isum_hi) over the block's two
+//  16-halves: every term and partial sum is an integer below 2^24, so this is exact as well.
+//
+//  How work is laid out does not matter either. With one activation row the SIMD kernels reduce
+//  per pair (a weight row per 128-bit lane); with several rows (avx2 / avx512, see
+//  mm_avx512.cpp) each weight block of the chunk is first decoded once into a transposed form
+//  (lane r = four codes of weight row r) and every activation row then takes its 16 (8) block
+//  sums with eight vpdpbusd / maddubs against broadcast dwords of its int8 block.
 //
 //  F32 / F16 / BF16 weights (weights widened exactly to f32; any K). Per pair, an L-lane f32
 //  accumulator takes element k in lane k % L: acc[l] = fma(x[k], w[k], acc[l]) in k order, the
