@@ -130,6 +130,10 @@ class Context:
         all); logits: "last", "all", "none", or the row indices to return.
         Returns float32 [n_selected, n_vocab], rows in the order requested.
         """
+        if (self.rec is None and not self.export_hidden and positions is not None and isinstance(logits, str)
+                and logits == "last"
+                and isinstance(seq_ids, (int, np.integer)) and len(tokens) == 1 and len(positions) == 1):
+            return self._decode_one(int(tokens[0]), int(positions[0]), int(seq_ids))
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T = toks.size
         if T == 0:
@@ -191,6 +195,36 @@ class Context:
             if sel.size:
                 out[sel] = plan.output("logits", copy=False)
         return out
+
+    def decode_step(self, token: int, position: int, seq: int = 0) -> np.ndarray:
+        """One generation step: decode `token` at `position` of `seq` and return its logits row
+        (float32 [n_vocab]). The row is a view into the plan's output, valid until the next
+        decode; copy it to keep it."""
+        if self.rec is None and not self.export_hidden:
+            return self._decode_one(int(token), int(position), int(seq), copy=False)[0]
+        return self.decode([token], positions=[position], seq_ids=seq)[0]
+
+    def _decode_one(self, tok: int, pos: int, seq: int, copy: bool = True) -> np.ndarray:
+        """decode() for the generation step (one token, its position given, last-row logits) on a
+        KV-only model, with the least Python per token; same plan and arithmetic as the general path."""
+        n_vocab = self.model.n_vocab
+        if not 0 <= tok < n_vocab:
+            raise ValueError(f"decode: token id {tok} is outside the vocabulary [0, {n_vocab})")
+        if pos < 0:
+            raise ValueError("decode: positions must be >= 0")
+        p = np.array([pos], dtype=np.int32)
+        slots = self.kv.prepare(np.array([seq], dtype=np.int32), p)
+        plan = self._plan(BatchShape(1, slots.n_kv, 1))
+        plan.set_input("tokens", np.array([tok], dtype=np.int32))
+        plan.set_input("pos", p)
+        plan.set_input("out_ids", np.zeros(1, dtype=np.int32))
+        plan.set_input("kv_idx", slots.idx)
+        plan.set_input("mask", slots.mask)
+        plan.set_input("kv_order", slots.order)
+        t0 = time.perf_counter()
+        plan.run()
+        self.t_compute += time.perf_counter() - t0
+        return plan.output("logits", copy=copy)
 
     def _decode_grouped(self, toks: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rows: np.ndarray,
                         out: np.ndarray) -> np.ndarray:

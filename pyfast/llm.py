@@ -342,7 +342,7 @@ class LLM:
             tok = sampler.sample(logits, history)
             yield tok
             self._cached.append(tok)
-            logits = self.ctx.decode([tok], positions=[len(history) - 1], seq_ids=0)[0]
+            logits = self.ctx.decode_step(tok, len(history) - 1, 0)
 
     def _generate(self, ptoks: list[int], max_tokens: int, sp: SamplingParams, stops: list[str],
                   ignore_eos: bool, spec=None) -> Iterator[StreamChunk]:
