@@ -138,6 +138,7 @@ class Sampler:
         self.n_vocab = int(n_vocab)
         self.rng = np.random.Generator(np.random.PCG64(params.seed))
         self._bias_ids = self._bias_vals = None
+        self._plain_greedy = params.greedy and not params.logit_bias and not self._penalties_active()
         if params.logit_bias:
             ids = np.fromiter((int(t) for t in params.logit_bias), dtype=np.int64)
             if ids.max() >= self.n_vocab:
@@ -267,6 +268,11 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Sample one token id from ``logits`` (float32 [n_vocab]) given the token ``history``."""
+        if self._plain_greedy and type(logits) is np.ndarray and logits.dtype == np.float32 \
+                and logits.shape == (self.n_vocab,):
+            i = int(logits.argmax())  # the per-token fast path: nothing modifies the logits
+            if np.isfinite(logits[i]):
+                return i
         ids, pr = self._candidates(logits, history)
         if ids.size == 1:
             return int(ids[0])

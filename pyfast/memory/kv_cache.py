@@ -183,6 +183,7 @@ class KVCache:
         cpos = self.cell_pos[:n_kv]
         cseq = self.cell_seq[:n_kv]
         allowed = (cseq[None, :] == seq_ids[:, None]) & (cpos[None, :] <= positions[:, None]) & (cpos[None, :] >= 0)
-        mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        mask = np.full(allowed.shape, -np.inf, dtype=np.float32)
+        mask[allowed] = 0.0
         order = np.argsort(cpos, kind="stable").astype(np.int32)
         return BatchSlots(idx=idx, mask=mask, order=order, n_kv=n_kv)
