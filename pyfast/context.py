@@ -213,7 +213,7 @@ class Context:
         if pos < 0:
             raise ValueError("decode: positions must be >= 0")
         p = np.array([pos], dtype=np.int32)
-        slots = self.kv.prepare(np.array([seq], dtype=np.int32), p)
+        slots = self.kv.prepare_one(seq, pos)
         plan = self._plan(BatchShape(1, slots.n_kv, 1))
         plan.set_input("tokens", np.array([tok], dtype=np.int32))
         plan.set_input("pos", p)

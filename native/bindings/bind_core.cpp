@@ -5,6 +5,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -84,6 +86,39 @@ void bind_core(py::module_& m) {
   m.def("dtype_type_size", [](DType t) { return dtype_type_size(t); }, "Bytes per block.");
   m.def("dtype_row_size", [](DType t, int64_t n) { return dtype_row_size(t, n); }, "Bytes of a row of n elements.");
 
+  m.def("kv_prepare_one", [](py::array_t<int32_t, py::array::c_style> cell_pos, py::array_t<int32_t, py::array::c_style> cell_seq,
+                             int64_t used_top, int32_t seq, int32_t pos, int64_t pad,
+                             py::array_t<float, py::array::c_style> mask, py::array_t<int32_t, py::array::c_style> order) -> py::tuple {
+    const int64_t n_ctx = cell_pos.shape(0);
+    if (cell_seq.shape(0) != n_ctx || mask.shape(0) < n_ctx || order.shape(0) < n_ctx || pad < 1 || used_top < 0 ||
+        used_top > n_ctx)
+      throw std::invalid_argument("kv_prepare_one: inconsistent arguments");
+    int32_t* cp = cell_pos.mutable_data();
+    int32_t* cs = cell_seq.mutable_data();
+    float* mk = mask.mutable_data();
+    int32_t* od = order.mutable_data();
+    int64_t cell = -1;
+    for (int64_t j = 0; j < used_top; ++j)
+      if (cp[j] == pos && cs[j] == seq) { cell = j; break; }
+    if (cell < 0)
+      for (int64_t j = 0; j < n_ctx; ++j)
+        if (cp[j] < 0) { cell = j; break; }
+    if (cell < 0) return py::make_tuple((int64_t)-1, (int64_t)0);
+    cp[cell] = pos;
+    cs[cell] = seq;
+    const int64_t top = std::max(used_top, cell + 1);
+    const int64_t n_kv = std::min(n_ctx, (top + pad - 1) / pad * pad);
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n_kv; ++j) {
+      mk[j] = (cs[j] == seq && cp[j] >= 0 && cp[j] <= pos) ? 0.0f : ninf;
+      od[j] = (int32_t)j;
+    }
+    std::stable_sort(od, od + n_kv, [cp](int32_t a, int32_t b) { return cp[a] < cp[b]; });
+    return py::make_tuple((int64_t)cell, (int64_t)n_kv);
+  }, py::arg("cell_pos"), py::arg("cell_seq"), py::arg("used_top"), py::arg("seq"), py::arg("pos"), py::arg("pad"),
+     py::arg("mask"), py::arg("order"),
+     "KV-cache bookkeeping for one token (the generation step): claims the cell for (seq, pos), writes the "
+     "attention mask row and the position order of the first n_kv cells; returns (cell, n_kv), cell -1 when full.");
   m.def("topk_row", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, int64_t k) {
     if (x.ndim() != 1) throw std::invalid_argument("topk_row: x must be 1-D");
     if (k < 1) throw std::invalid_argument("topk_row: k must be >= 1");

@@ -60,6 +60,7 @@ class KVCache:
         self.cell_pos = np.full(n_ctx, -1, dtype=np.int32)
         self.cell_seq = np.full(n_ctx, -1, dtype=np.int32)
         self._used_top = 0  # one past the highest used cell
+        self._one_mask = self._one_order = None  # prepare_one's reusable outputs
 
     # --- bookkeeping -----------------------------------------------------------------------
     @property
@@ -160,6 +161,23 @@ class KVCache:
                     f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, {need.size} more needed")
             idx[need] = free[: need.size]
         return self._finish(idx, seq_ids, positions)
+
+    def prepare_one(self, seq: int, pos: int) -> BatchSlots:
+        """prepare() for one token, done natively: the result's mask and order are views into
+        buffers reused by the next call, so use them before preparing another batch."""
+        fn = getattr(native, "kv_prepare_one", None)
+        if fn is None:  # a native module built before the helper existed
+            return self.prepare(np.array([seq], dtype=np.int32), np.array([pos], dtype=np.int32))
+        if self._one_mask is None:
+            self._one_mask = np.empty(self.n_ctx, dtype=np.float32)
+            self._one_order = np.empty(self.n_ctx, dtype=np.int32)
+        cell, n_kv = fn(self.cell_pos, self.cell_seq, self._used_top, seq, pos, KV_PAD, self._one_mask,
+                        self._one_order)
+        if cell < 0:
+            raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, 1 more needed")
+        self._used_top = max(self._used_top, cell + 1)
+        return BatchSlots(idx=np.array([cell], dtype=np.int32), mask=self._one_mask[:n_kv].reshape(1, n_kv),
+                          order=self._one_order[:n_kv], n_kv=n_kv)
 
     def _cell_for(self, seq: int, pos: int) -> np.ndarray:
         """[cell] for one token: the cell already holding (seq, pos), else the first free one."""

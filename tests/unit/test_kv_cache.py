@@ -1,0 +1,43 @@
+"""KVCache.prepare_one (the native one-token bookkeeping of the generation step) must agree
+exactly with the general numpy prepare(): same cell, mask, cell order and bookkeeping, including
+overwrites of a stored position, truncation holes, several sequences and a full cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyfast._loader import native
+from pyfast.memory.kv_cache import KVCache, KVCacheFull
+
+
+@pytest.mark.skipif(not hasattr(native, "kv_prepare_one"), reason="native module predates kv_prepare_one")
+def test_prepare_one_matches_prepare():
+    rng = np.random.default_rng(0)
+    n_full = 0
+    for trial in range(300):
+        n_ctx = int(rng.integers(1, 700))
+        a = KVCache(1, n_ctx, 1, 8, native.DType.F32)
+        b = KVCache(1, n_ctx, 1, 8, native.DType.F32)
+        for step in range(int(rng.integers(1, 40))):
+            if step and rng.random() < 0.2:
+                s, p = int(rng.integers(0, 3)), int(rng.integers(0, 20))
+                a.truncate(s, p)
+                b.truncate(s, p)
+                continue
+            s, p = int(rng.integers(0, 3)), int(rng.integers(0, 30))
+            try:
+                x = a.prepare(np.array([s], np.int32), np.array([p], np.int32))
+            except KVCacheFull:
+                with pytest.raises(KVCacheFull):
+                    b.prepare_one(s, p)
+                n_full += 1
+                continue
+            y = b.prepare_one(s, p)
+            assert x.n_kv == y.n_kv
+            np.testing.assert_array_equal(x.idx, y.idx)
+            np.testing.assert_array_equal(x.mask, y.mask)
+            np.testing.assert_array_equal(x.order, y.order)
+            np.testing.assert_array_equal(a.cell_pos, b.cell_pos)
+            np.testing.assert_array_equal(a.cell_seq, b.cell_seq)
+            assert a._used_top == b._used_top
+    assert n_full > 0  # the full-cache branch was exercised
