@@ -183,18 +183,24 @@ class Context:
             out_ids = (rows[sel] - u0).astype(np.int32) if sel.size else np.zeros(1, dtype=np.int32)
             slots = self.kv.prepare(seqs[u0:u1], pos[u0:u1])
             plan = self._plan(BatchShape(u1 - u0, slots.n_kv, n_out))
-            plan.set_input("tokens", toks32[u0:u1])
-            plan.set_input("pos", pos[u0:u1])
-            plan.set_input("out_ids", out_ids)
-            plan.set_input("kv_idx", slots.idx)
-            plan.set_input("mask", slots.mask)
-            plan.set_input("kv_order", slots.order)
-            t0 = time.perf_counter()
-            plan.run()
-            self.t_compute += time.perf_counter() - t0
+            self._run(plan, toks32[u0:u1], pos[u0:u1], out_ids, slots)
             if sel.size:
                 out[sel] = plan.output("logits", copy=False)
         return out
+
+    def _run(self, plan, toks: np.ndarray, pos: np.ndarray, out_ids: np.ndarray, slots, seg_rows=None) -> None:
+        """Set one micro-batch's inputs and run its plan (timed into t_compute)."""
+        plan.set_input("tokens", toks)
+        plan.set_input("pos", pos)
+        plan.set_input("out_ids", out_ids)
+        plan.set_input("kv_idx", slots.idx)
+        plan.set_input("mask", slots.mask)
+        plan.set_input("kv_order", slots.order)
+        if seg_rows is not None:
+            plan.set_input("seqs", seg_rows)
+        t0 = time.perf_counter()
+        plan.run()
+        self.t_compute += time.perf_counter() - t0
 
     def decode_step(self, token: int, position: int, seq: int = 0) -> np.ndarray:
         """One generation step: decode `token` at `position` of `seq` and return its logits row
@@ -212,18 +218,10 @@ class Context:
             raise ValueError(f"decode: token id {tok} is outside the vocabulary [0, {n_vocab})")
         if pos < 0:
             raise ValueError("decode: positions must be >= 0")
-        p = np.array([pos], dtype=np.int32)
         slots = self.kv.prepare_one(seq, pos)
         plan = self._plan(BatchShape(1, slots.n_kv, 1))
-        plan.set_input("tokens", np.array([tok], dtype=np.int32))
-        plan.set_input("pos", p)
-        plan.set_input("out_ids", np.zeros(1, dtype=np.int32))
-        plan.set_input("kv_idx", slots.idx)
-        plan.set_input("mask", slots.mask)
-        plan.set_input("kv_order", slots.order)
-        t0 = time.perf_counter()
-        plan.run()
-        self.t_compute += time.perf_counter() - t0
+        self._run(plan, np.array([tok], dtype=np.int32), np.array([pos], dtype=np.int32),
+                  np.zeros(1, dtype=np.int32), slots)
         return plan.output("logits", copy=copy)
 
     def _decode_grouped(self, toks: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rows: np.ndarray,
@@ -277,17 +275,7 @@ class Context:
                 slots, seg_rows = self.kv.prepare(u_seq, u_pos), None
                 shape = BatchShape(Tu, slots.n_kv, n_out)
             plan = self._plan(shape)
-            plan.set_input("tokens", toks[idx])
-            plan.set_input("pos", u_pos)
-            plan.set_input("out_ids", out_ids)
-            plan.set_input("kv_idx", slots.idx)
-            plan.set_input("mask", slots.mask)
-            plan.set_input("kv_order", slots.order)
-            if seg_rows is not None:
-                plan.set_input("seqs", seg_rows)
-            t0 = time.perf_counter()
-            plan.run()
-            self.t_compute += time.perf_counter() - t0
+            self._run(plan, toks[idx], u_pos, out_ids, slots, seg_rows)
             if sel.size:
                 out[sel] = plan.output("logits", copy=False)
             if hidden is not None:

@@ -28,10 +28,17 @@ import numpy as np
 __all__ = ["SamplingParams", "Sampler"]
 
 
-def _native():
-    from pyfast._loader import native
+_NATIVE = None
 
-    return native
+
+def _native():
+    """The native module, imported on first use (sampling itself needs it only for top-k)."""
+    global _NATIVE
+    if _NATIVE is None:
+        from pyfast._loader import native
+
+        _NATIVE = native
+    return _NATIVE
 
 
 @dataclass

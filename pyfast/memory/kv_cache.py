@@ -137,9 +137,6 @@ class KVCache:
         A (sequence, position) pair that is already stored is overwritten in place.
         """
         T = len(positions)
-        if T == 1:  # the common decode step: no duplicate check, one vectorized lookup
-            idx = self._cell_for(int(seq_ids[0]), int(positions[0]))
-            return self._finish(idx, seq_ids, positions)
         keys = (seq_ids.astype(np.int64) << 32) | positions.astype(np.int64)
         if np.unique(keys).size != T:
             raise ValueError("a batch may not hold the same (sequence, position) twice")
@@ -160,7 +157,17 @@ class KVCache:
                 raise KVCacheFull(
                     f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, {need.size} more needed")
             idx[need] = free[: need.size]
-        return self._finish(idx, seq_ids, positions)
+        self.cell_pos[idx] = positions
+        self.cell_seq[idx] = seq_ids
+        self._used_top = max(self._used_top, int(idx.max()) + 1) if T else self._used_top
+        n_kv = min(self.n_ctx, -(-self._used_top // KV_PAD) * KV_PAD)
+        cpos = self.cell_pos[:n_kv]
+        cseq = self.cell_seq[:n_kv]
+        allowed = (cseq[None, :] == seq_ids[:, None]) & (cpos[None, :] <= positions[:, None]) & (cpos[None, :] >= 0)
+        mask = np.full(allowed.shape, -np.inf, dtype=np.float32)
+        mask[allowed] = 0.0
+        order = np.argsort(cpos, kind="stable").astype(np.int32)
+        return BatchSlots(idx=idx, mask=mask, order=order, n_kv=n_kv)
 
     def prepare_one(self, seq: int, pos: int) -> BatchSlots:
         """prepare() for one token, done natively: the result's mask and order are views into
@@ -178,30 +185,3 @@ class KVCache:
         self._used_top = max(self._used_top, cell + 1)
         return BatchSlots(idx=np.array([cell], dtype=np.int32), mask=self._one_mask[:n_kv].reshape(1, n_kv),
                           order=self._one_order[:n_kv], n_kv=n_kv)
-
-    def _cell_for(self, seq: int, pos: int) -> np.ndarray:
-        """[cell] for one token: the cell already holding (seq, pos), else the first free one."""
-        top = self._used_top
-        if top:
-            hit = np.flatnonzero((self.cell_pos[:top] == pos) & (self.cell_seq[:top] == seq))
-            if hit.size:
-                return hit[:1].astype(np.int32)
-        free = np.flatnonzero(self.cell_pos < 0)
-        if free.size == 0:
-            raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, 1 more needed")
-        return free[:1].astype(np.int32)
-
-    def _finish(self, idx: np.ndarray, seq_ids: np.ndarray, positions: np.ndarray) -> BatchSlots:
-        """Record the batch's cells and build its mask and cell order."""
-        T = len(positions)
-        self.cell_pos[idx] = positions
-        self.cell_seq[idx] = seq_ids
-        self._used_top = max(self._used_top, int(idx.max()) + 1) if T else self._used_top
-        n_kv = min(self.n_ctx, -(-self._used_top // KV_PAD) * KV_PAD)
-        cpos = self.cell_pos[:n_kv]
-        cseq = self.cell_seq[:n_kv]
-        allowed = (cseq[None, :] == seq_ids[:, None]) & (cpos[None, :] <= positions[:, None]) & (cpos[None, :] >= 0)
-        mask = np.full(allowed.shape, -np.inf, dtype=np.float32)
-        mask[allowed] = 0.0
-        order = np.argsort(cpos, kind="stable").astype(np.int32)
-        return BatchSlots(idx=idx, mask=mask, order=order, n_kv=n_kv)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyfast.models import qwen35
-from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
 
 ARCH = "qwen35moe"
 EXPORTS_HIDDEN = True  # build() outputs "hidden" when the builder asks (MTP drafting)
@@ -18,13 +17,7 @@ class Args(qwen35.Args):
         return super().from_gguf(md, weights, arch=ARCH, moe=True, broadcast=0)
 
 
-def memory(args: Args) -> MemorySpec:
-    return qwen35.memory(args)
-
-
-def tensors(args: Args) -> list[TensorSpec]:
-    return qwen35.tensors(args)
-
-
-def build(b: GraphBuilder, args: Args):
-    return qwen35.build(b, args)
+# Memory, tensors and graph are Qwen3.5's; only the GGUF layout read by Args differs.
+memory = qwen35.memory
+tensors = qwen35.tensors
+build = qwen35.build

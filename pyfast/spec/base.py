@@ -114,3 +114,47 @@ class Proposer:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+class DraftTokenPicker:
+    """How a model drafter (draft model, MTP) turns one row of its logits into a draft token.
+
+    Greedy targets draft the argmax and stop when its probability is below p_min. Sampling
+    targets draw from the draft's own copy of the target's sampler chain (seeded from the
+    target's seed plus ``salt``, so draft and target draws are independent), and the draw's
+    distribution goes to the stochastic verifier.
+    """
+
+    def __init__(self, n_vocab: int, salt: int):
+        self.n_vocab = n_vocab
+        self.salt = salt
+        self._samplers: dict[int, tuple["Sampler", "Sampler"]] = {}  # seq -> (target's, draft's)
+
+    def forget(self, seq: int) -> None:
+        self._samplers.pop(seq, None)
+
+    def sampler(self, r: DraftRequest) -> "Sampler":
+        import dataclasses
+
+        from pyfast.sampling import Sampler
+
+        ent = self._samplers.get(r.seq)
+        if ent is None or ent[0] is not r.sampler:
+            seed = r.sampler.params.seed
+            params = dataclasses.replace(r.sampler.params,
+                                         seed=None if seed is None else (seed + self.salt) % 2**63)
+            ent = self._samplers[r.seq] = (r.sampler, Sampler(params, self.n_vocab))
+        return ent[1]
+
+    def pick(self, r: DraftRequest, row: np.ndarray, drafted: Sequence[int]) -> tuple[int, np.ndarray | None] | None:
+        """(token, its draft distribution or None when greedy), or None to stop this chain."""
+        if r.greedy:
+            t = int(np.argmax(row))
+            if r.p_min > 0.0 and 1.0 / float(np.exp(row.astype(np.float64) - float(row[t])).sum()) < r.p_min:
+                return None
+            return t, None
+        s = self.sampler(r)
+        q = s.probs(row, np.concatenate([r.tokens, np.asarray(drafted, dtype=r.tokens.dtype)]))
+        if r.p_min > 0.0 and float(q.max()) < r.p_min:
+            return None
+        return s.sample_from_probs(q), q

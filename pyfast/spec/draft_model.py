@@ -13,15 +13,13 @@ rounds won by other proposers need no special handling.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
 
 from pyfast.context import Context
 from pyfast.models import Model
-from pyfast.sampling import Sampler
-from pyfast.spec.base import Draft, DraftRequest, Proposer
+from pyfast.spec.base import Draft, DraftRequest, DraftTokenPicker, Proposer
 
 
 def check_vocab_compatible(target: Model, draft: Model) -> None:
@@ -82,7 +80,7 @@ class DraftModelProposer(Proposer):
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads)
         self.ctx.max_plans = max(self.ctx.max_plans, 32)
         self._cached: dict[int, np.ndarray] = {}  # seq -> tokens in the draft cache (positions 0..)
-        self._samplers: dict[int, tuple[Sampler, Sampler]] = {}  # seq -> (target's, draft's)
+        self._picker = DraftTokenPicker(self.model.n_vocab, salt=0x5EED)
         self.n_decodes = 0
 
     def begin(self, seq: int, prompt) -> None:
@@ -91,17 +89,7 @@ class DraftModelProposer(Proposer):
     def end(self, seq: int) -> None:
         self.ctx.remove_seq(seq)
         self._cached.pop(seq, None)
-        self._samplers.pop(seq, None)
-
-    def _sampler(self, r: DraftRequest) -> Sampler:
-        """The draft's own sampler for a sequence: the target's chain, a derived seed."""
-        ent = self._samplers.get(r.seq)
-        if ent is None or ent[0] is not r.sampler:
-            seed = r.sampler.params.seed
-            params = dataclasses.replace(r.sampler.params,
-                                         seed=None if seed is None else (seed + 0x5EED) % 2**63)
-            ent = self._samplers[r.seq] = (r.sampler, Sampler(params, self.model.n_vocab))
-        return ent[1]
+        self._picker.forget(seq)
 
     def draft(self, requests: list[DraftRequest]) -> list[Draft | None]:
         n_vocab = self.model.n_vocab
@@ -139,20 +127,11 @@ class DraftModelProposer(Proposer):
             self.n_decodes += 1
             nxt = []
             for i, r in enumerate(live):
-                row = logits[i]
-                if r.greedy:
-                    t = int(np.argmax(row))
-                    if r.p_min > 0.0:
-                        top = 1.0 / float(np.exp(row.astype(np.float64) - float(row[t])).sum())
-                        if top < r.p_min:
-                            continue
-                else:
-                    s = self._sampler(r)
-                    hist = np.concatenate([r.tokens, np.asarray(drafts[r.seq], dtype=r.tokens.dtype)])
-                    q = s.probs(row, hist)
-                    if r.p_min > 0.0 and float(q.max()) < r.p_min:
-                        continue
-                    t = s.sample_from_probs(q)
+                got = self._picker.pick(r, logits[i], drafts[r.seq])
+                if got is None:
+                    continue
+                t, q = got
+                if q is not None:
                     probs[r.seq].append(q)
                 drafts[r.seq].append(t)
                 start[r.seq] += feed[r.seq].size

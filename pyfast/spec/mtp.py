@@ -48,8 +48,7 @@ from pyfast._loader import native
 from pyfast.memory.kv_cache import KVCache
 from pyfast.models import BatchShape, Model
 from pyfast.models.base import GraphBuilder
-from pyfast.sampling import Sampler
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, Proposer
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer
 
 __all__ = ["MTPProposer", "mtp_impl", "check_mtp"]
 
@@ -165,7 +164,7 @@ class MTPProposer(Proposer):
         self.pool = None
         self._plans: OrderedDict[tuple, object] = OrderedDict()
         self._seqs: dict[int, _Seq] = {}
-        self._samplers: dict[int, tuple[Sampler, Sampler]] = {}
+        self._picker = DraftTokenPicker(self.model.n_vocab, salt=0x3A7D)
         self.n_plan_builds = 0
         self.n_decodes = 0            # MTP decodes (catch-up and draft steps)
         self.n_lost = 0               # batches whose carry could not be recovered (zero carry used)
@@ -273,7 +272,7 @@ class MTPProposer(Proposer):
             if st.open_rows:
                 self._settle(seq, st, None)
             self._cut(seq, st, st.common(np.asarray(prompt)))
-        self._samplers.pop(seq, None)
+        self._picker.forget(seq)
 
     def end(self, seq: int) -> None:
         st = self._seqs.get(seq)
@@ -281,14 +280,14 @@ class MTPProposer(Proposer):
             st.retired = True
             if st.open_rows:
                 self._settle(seq, st, None)
-        self._samplers.pop(seq, None)
+        self._picker.forget(seq)
 
     def forget(self, seq: int) -> None:
         """Drop everything kept for a sequence."""
         if self.kv is not None:
             self.kv.remove_seq(seq)
         self._seqs.pop(seq, None)
-        self._samplers.pop(seq, None)
+        self._picker.forget(seq)
 
     def _cut(self, seq: int, st: _Seq, m: int) -> None:
         """Forget positions >= m (the history differs there): MTP rows and trunk rows alike."""
@@ -398,15 +397,6 @@ class MTPProposer(Proposer):
             st.k_next = int(n_accepted)
 
     # --- drafting (§1.4) -------------------------------------------------------------------
-    def _sampler(self, r: DraftRequest) -> Sampler:
-        ent = self._samplers.get(r.seq)
-        if ent is None or ent[0] is not r.sampler:
-            seed = r.sampler.params.seed
-            params = dataclasses.replace(r.sampler.params,
-                                         seed=None if seed is None else (seed + 0x3A7D) % 2**63)
-            ent = self._samplers[r.seq] = (r.sampler, Sampler(params, self.model.n_vocab))
-        return ent[1]
-
     def carry_in(self, seq: int, n_past: int) -> np.ndarray:
         """The step-0 hidden input of a sequence whose id_last sits at n_past (zeros if unknown)."""
         st = self._seqs.get(seq)
@@ -453,20 +443,11 @@ class MTPProposer(Proposer):
                                        h=h.copy(), logits=logits.copy(), hidden=out_h.copy()))
             nl, nt, npos, nh = [], [], [], []
             for i, r in enumerate(live):
-                row = logits[i]
-                if r.greedy:
-                    t = int(np.argmax(row))
-                    if r.p_min > 0.0:
-                        top = 1.0 / float(np.exp(row.astype(np.float64) - float(row[t])).sum())
-                        if top < r.p_min:
-                            continue
-                else:
-                    s = self._sampler(r)
-                    hist = np.concatenate([r.tokens, np.asarray(drafts[r.seq], dtype=r.tokens.dtype)])
-                    q = s.probs(row, hist)
-                    if r.p_min > 0.0 and float(q.max()) < r.p_min:
-                        continue
-                    t = s.sample_from_probs(q)
+                got = self._picker.pick(r, logits[i], drafts[r.seq])
+                if got is None:
+                    continue
+                t, q = got
+                if q is not None:
                     probs[r.seq].append(q)
                 drafts[r.seq].append(t)
                 if len(drafts[r.seq]) < r.n_max:

@@ -61,7 +61,7 @@ def record(name: str, mode: str, err: float) -> float:
     return err
 
 
-# --- checks shared by test_qwen35_tiny.py, test_qwen35moe_tiny.py and test_qwen3next_tiny.py ---
+# --- checks shared by the hybrid architectures (parametrized in test_hybrid_tiny.py) ---
 def load(name: str):
     from pyfast.models import Model
 
