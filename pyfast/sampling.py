@@ -9,9 +9,9 @@ The chain follows llama.cpp's default order::
 The filters see the logits *before* temperature scaling, as in llama.cpp, so temperature changes
 the shape of the kept distribution but not which tokens are kept.
 
-Everything here is numpy on one row of ``n_vocab`` float32 logits and is cheap enough to run per
-token (well under a millisecond for a 49k vocabulary with ``top_k=40``): top-k is one native
-heap pass (``native.topk_row``) and only the kept candidates are ever sorted.
+Logit bias and penalties are numpy on one row of ``n_vocab`` float32 logits. With top-k on (the
+default), the rest of the chain and the draw are one native call (``native.sample_row``, a few
+microseconds for a 49k vocabulary); without top-k it runs in numpy over the whole vocabulary.
 
 ``Sampler.probs`` returns the exact distribution ``Sampler.sample`` draws from (full vocabulary,
 zeros outside the kept set); the speculative verifier uses it for rejection sampling, together
@@ -144,8 +144,13 @@ class Sampler:
         self.params = params
         self.n_vocab = int(n_vocab)
         self.rng = np.random.Generator(np.random.PCG64(params.seed))
+        self._ubuf: list[float] = []
+        self._ui = 0
         self._bias_ids = self._bias_vals = None
         self._plain_greedy = params.greedy and not params.logit_bias and not self._penalties_active()
+        # the per-token fast path: the native chain on the raw logits
+        self._plain_topk = (not params.greedy and not params.logit_bias and not self._penalties_active()
+                            and 0 < params.top_k < self.n_vocab)
         if params.logit_bias:
             ids = np.fromiter((int(t) for t in params.logit_bias), dtype=np.int64)
             if ids.max() >= self.n_vocab:
@@ -159,6 +164,17 @@ class Sampler:
         if seed is not None and int(seed) < 0:
             raise ValueError(f"Sampler.reseed: seed must be None or >= 0, got {seed!r}")
         self.rng = np.random.Generator(np.random.PCG64(seed))
+        self._ubuf, self._ui = [], 0
+
+    def uniform(self) -> float:
+        """The next uniform draw in [0, 1) of this sampler's stream. Every draw the sampler (and
+        the speculative verifier) makes goes through here; values come from ``rng.random`` in
+        blocks of 64, which yields the same sequence as one ``rng.random()`` per draw."""
+        i = self._ui
+        if i >= len(self._ubuf):
+            self._ubuf, i = self.rng.random(64).tolist(), 0
+        self._ui = i + 1
+        return self._ubuf[i]
 
     # -- chain pieces -------------------------------------------------------------------------
 
@@ -226,15 +242,14 @@ class Sampler:
                 raise ValueError("Sampler: logits have no finite maximum (all -inf or NaN)")
             return np.array([i], dtype=np.int64), np.ones(1, dtype=np.float64)
 
-        # top-k: one native pass with a k-sized heap; candidates come out largest first, ties
-        # at the boundary resolved toward the lowest ids
         k = p.top_k
         if 0 < k < n:
-            ids = _native().topk_row(x, k).astype(np.int64, copy=False)
-            vals = x[ids].astype(np.float64)
-        else:
-            ids = None  # all tokens, in id order
-            vals = x.astype(np.float64)
+            # the usual case, in native code (native/cpu/sample_row.cpp follows the steps below)
+            ids, pr = _native().sample_candidates(x, k, p.top_p, p.min_p, p.temperature)
+            return ids.astype(np.int64), pr
+
+        # top-k disabled: the same chain over the whole vocabulary, in id order
+        vals = x.astype(np.float64)
 
         m = vals.max()
         if not np.isfinite(m):
@@ -245,16 +260,11 @@ class Sampler:
         # only its survivors are sorted; top-p still normalizes over the full pre-filter set,
         # exactly as when it runs first.
         if p.min_p > 0.0:
-            keep = np.flatnonzero(vals >= m + math.log(p.min_p))
-            if ids is not None:
-                ids = ids[keep]
-            else:
-                ids = keep.astype(np.int64, copy=False)
-            vals_kept = vals[keep]
+            ids = np.flatnonzero(vals >= m + math.log(p.min_p)).astype(np.int64, copy=False)
+            vals_kept = vals[ids]
         else:
+            ids = np.arange(n, dtype=np.int64)
             vals_kept = vals
-            if ids is None:
-                ids = np.arange(n, dtype=np.int64)
 
         if p.top_p < 1.0:
             z = np.exp(vals - m).sum()
@@ -280,6 +290,11 @@ class Sampler:
             i = int(logits.argmax())  # the per-token fast path: nothing modifies the logits
             if np.isfinite(logits[i]):
                 return i
+        p = self.params
+        if not p.greedy and 0 < p.top_k < self.n_vocab:
+            x = logits if self._plain_topk and type(logits) is np.ndarray and logits.dtype == np.float32 \
+                and logits.shape == (self.n_vocab,) else self.apply_penalties(logits, history)
+            return _native().sample_row(x, p.top_k, p.top_p, p.min_p, p.temperature, self.uniform())
         ids, pr = self._candidates(logits, history)
         if ids.size == 1:
             return int(ids[0])
@@ -298,7 +313,7 @@ class Sampler:
     def _draw(self, weights: np.ndarray) -> int:
         c = np.cumsum(weights)
         # side="right" never lands on a zero-weight entry
-        i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+        i = int(np.searchsorted(c, self.uniform() * c[-1], side="right"))
         return min(i, c.size - 1)
 
 

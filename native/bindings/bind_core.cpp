@@ -133,6 +133,40 @@ void bind_core(py::module_& m) {
     return out;
   }, py::arg("x"), py::arg("k"),
      "Indices of the k largest values of a float32 row, largest first (ties: lower index first; NaN as -inf).");
+  m.def("sample_candidates", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, int64_t k,
+                                double top_p, double min_p, double temperature) {
+    if (x.ndim() != 1) throw std::invalid_argument("sample_candidates: x must be 1-D");
+    const int64_t n = x.shape(0);
+    if (!(k > 0 && k < n)) throw std::invalid_argument("sample_candidates: k must be in [1, n)");
+    py::array_t<int32_t> ids(k);
+    py::array_t<double> probs(k);
+    const int64_t kept = cpu_sample_candidates(x.data(), n, k, top_p, min_p, temperature, ids.mutable_data(),
+                                               probs.mutable_data());
+    return py::make_tuple(ids[py::slice(0, kept, 1)], probs[py::slice(0, kept, 1)]);
+  }, py::arg("x"), py::arg("k"), py::arg("top_p"), py::arg("min_p"), py::arg("temperature"),
+     "The sampler chain after penalties: top-k -> min-p -> top-p -> temperature -> softmax. Returns (ids int32, "
+     "probs float64) of the kept tokens, most likely first.");
+  m.def("sample_row", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, int64_t k, double top_p,
+                         double min_p, double temperature, double u) {
+    if (x.ndim() != 1) throw std::invalid_argument("sample_row: x must be 1-D");
+    const int64_t n = x.shape(0);
+    if (!(k > 0 && k < n)) throw std::invalid_argument("sample_row: k must be in [1, n)");
+    int32_t ids_s[256];
+    double probs_s[256];
+    std::vector<int32_t> ids_v;
+    std::vector<double> probs_v;
+    int32_t* ids = ids_s;
+    double* probs = probs_s;
+    if (k > 256) {
+      ids_v.resize((size_t)k);
+      probs_v.resize((size_t)k);
+      ids = ids_v.data();
+      probs = probs_v.data();
+    }
+    const int64_t kept = cpu_sample_candidates(x.data(), n, k, top_p, min_p, temperature, ids, probs);
+    return (int64_t)ids[cpu_sample_draw(probs, kept, u)];
+  }, py::arg("x"), py::arg("k"), py::arg("top_p"), py::arg("min_p"), py::arg("temperature"), py::arg("u"),
+     "sample_candidates, then the token that u in [0, 1) draws from them (the generation step's one call).");
   m.def("read_bandwidth", [](size_t nbytes, int n_threads, int reps) {
     std::shared_ptr<ThreadPool> pool;
     if (n_threads > 1) pool = std::make_shared<ThreadPool>(n_threads);

@@ -88,7 +88,6 @@ def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.nd
     q = np.asarray(draft_probs)
     if q.shape != (n, rows.shape[1]):
         raise ValueError(f"verify: draft probabilities must be [{n}, {rows.shape[1]}], got {list(q.shape)}")
-    rng = sampler.rng
     for i in range(n):
         p = sampler.probs(rows[i], hist(i))
         d = int(draft[i])
@@ -99,7 +98,7 @@ def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.nd
             if t == d:
                 continue
             return VerifyResult(draft[:i].tolist() + [t], i, RECOVERED)
-        if pd >= qd or rng.random() * qd < pd:  # accept with probability min(1, p/q)
+        if pd >= qd or sampler.uniform() * qd < pd:  # accept with probability min(1, p/q)
             continue
         residual = np.maximum(p - q[i], 0.0)
         t = sampler.sample_from_probs(residual) if residual.sum() > 0.0 else sampler.sample_from_probs(p)

@@ -253,7 +253,7 @@ def quantizes_activations() -> bool:
 needs_real_matmul = pytest.mark.skipif(not quantizes_activations(),
                                        reason="matmul kernel is a placeholder (no activation quantization)")
 
-QMM_SHAPES = [(1, 1, 32), (7, 33, 64), (65, 17, 256), (3, 5, 1024)]
+QMM_SHAPES = [(1, 1, 32), (7, 33, 64), (65, 17, 256), (3, 5, 1024), (18, 20, 160)]
 
 
 def _qmm_data(M, N_, K, dt, seed=0):

@@ -136,14 +136,70 @@ def test_top_k_native_matches_a_full_sort():
     from pyfast._loader import native
 
     rng = np.random.default_rng(3)
-    for trial in range(200):
-        n = int(rng.integers(1, 5000))
-        k = int(rng.integers(1, 80))
-        x = (rng.integers(-4, 4, size=n) if trial % 2 else rng.standard_normal(n)).astype(np.float32)
-        if trial % 5 == 0:
-            x[rng.integers(0, n, size=4)] = np.nan
-        ref = np.lexsort((np.arange(n), -np.where(np.isnan(x), -np.inf, x)))[:k]
-        np.testing.assert_array_equal(native.topk_row(x, k), ref)
+    isa = native.cpu_isa()
+    try:
+        for trial in range(400):
+            # both the SIMD scan and the scalar one (the reference mode)
+            native.set_cpu_isa("scalar" if trial % 2 else native.cpu_best_isa())
+            n = int(rng.integers(1, 5000))
+            k = int(rng.integers(1, 80))
+            x = (rng.integers(-4, 4, size=n) if trial % 4 < 2 else rng.standard_normal(n)).astype(np.float32)
+            if trial % 5 == 0:
+                x[rng.integers(0, n, size=4)] = np.nan
+            if trial % 7 == 0:
+                x[rng.integers(0, n, size=3)] = -np.inf
+            ref = np.lexsort((np.arange(n), -np.where(np.isnan(x), -np.inf, x)))[:k]
+            np.testing.assert_array_equal(native.topk_row(x, k), ref)
+    finally:
+        native.set_cpu_isa(isa)
+
+
+def _chain_reference(x, k, top_p, min_p, temp):
+    """The chain after penalties written from its definition: sort (value desc, id asc), keep k,
+    min-p relative to the max, top-p over the top-k mass, then softmax(v / temp)."""
+    order = np.lexsort((np.arange(x.size), -x.astype(np.float64)))[:k]
+    v = x[order].astype(np.float64)
+    keep = np.ones(k, bool)
+    if min_p > 0:
+        keep &= v >= v[0] + math.log(min_p)
+    if top_p < 1.0:
+        mass = np.cumsum(np.exp(v - v[0])) / np.exp(v - v[0]).sum()
+        keep &= np.arange(k) <= np.searchsorted(mass, top_p - 1e-12)
+    ids, v = order[keep], v[keep]
+    e = np.exp((v - v[0]) / temp)
+    return ids, e / e.sum()
+
+
+def test_native_chain_matches_its_definition():
+    """native.sample_candidates / sample_row (the path Sampler.sample and probs take with top-k on)
+    against _chain_reference on random rows with ties, over a grid of settings; the draw picks
+    the candidate whose cumulative-probability interval holds u."""
+    from pyfast._loader import native
+
+    rng = np.random.default_rng(21)
+    n = 1000
+    for trial in range(60):
+        x = (rng.standard_normal(n) * rng.choice([0.3, 2.0, 6.0])).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x * 2) / 2  # many ties, also at the top-k boundary
+        for k in (1, 7, 40, 999):
+            for top_p, min_p, temp in [(1.0, 0.0, 1.0), (0.95, 0.05, 0.8), (0.5, 0.0, 2.5), (0.9, 0.3, 0.3)]:
+                ids, pr = native.sample_candidates(x, k, top_p, min_p, temp)
+                rid, rpr = _chain_reference(x, k, top_p, min_p, temp)
+                np.testing.assert_array_equal(ids, rid)
+                np.testing.assert_allclose(pr, rpr, rtol=1e-12, atol=1e-15)
+                edges = np.cumsum(rpr)
+                for u in rng.random(5):
+                    if np.min(np.abs(edges - u)) < 1e-9:
+                        continue  # too close to an interval edge to call
+                    want = rid[min(int(np.searchsorted(edges, u, side="right")), rid.size - 1)]
+                    assert native.sample_row(x, k, top_p, min_p, temp, float(u)) == want
+    with pytest.raises(ValueError, match="finite maximum"):
+        native.sample_row(np.full(10, np.nan, np.float32), 3, 1.0, 0.0, 1.0, 0.5)
+    with pytest.raises(ValueError):
+        native.sample_row(x, 0, 1.0, 0.0, 1.0, 0.5)
+    with pytest.raises(ValueError):
+        native.sample_row(x, 5, 1.0, 0.0, 0.0, 0.5)
 
 
 def test_logit_bias():
@@ -335,3 +391,14 @@ def test_speed_large_vocab():
             s.sample(x, hist)
         best = min(best, (time.perf_counter() - t) / 20)
     assert best < 1e-3, f"{best * 1e6:.0f} us per sample"
+
+
+def test_uniform_stream_is_the_generators():
+    """Sampler.uniform buffers draws but yields exactly PCG64(seed).random()'s sequence, and
+    reseed restarts it."""
+    s = Sampler(SamplingParams(seed=123), 10)
+    ref = np.random.Generator(np.random.PCG64(123))
+    assert [s.uniform() for _ in range(150)] == [ref.random() for _ in range(150)]
+    s.reseed(7)
+    ref = np.random.Generator(np.random.PCG64(7))
+    assert [s.uniform() for _ in range(3)] == [ref.random() for _ in range(3)]

@@ -49,6 +49,16 @@ double cpu_read_bandwidth(size_t nbytes, ThreadPool* pool, int reps);
 // to out; returns min(k, n).
 int64_t cpu_topk_row(const float* x, int64_t n, int64_t k, int32_t* out);
 
+// The sampler chain after penalties (pyfast/sampling.py): top-k (0 < k < n) -> min-p (0 disables)
+// -> top-p (1 disables) -> temperature (> 0) -> softmax. Writes the kept ids (most likely first)
+// and their probabilities (float64, sum 1) to ids / probs (room for k each); returns how many.
+// Throws std::invalid_argument on bad parameters or a row with no finite maximum.
+int64_t cpu_sample_candidates(const float* x, int64_t n, int64_t k, double top_p, double min_p, double temp,
+                              int32_t* ids, double* probs);
+// Index of the entry of probs[0..n) that u in [0, 1) selects: the first whose running sum exceeds
+// u times the total.
+int64_t cpu_sample_draw(const double* probs, int64_t n, double u);
+
 // Split [0, n) into nth nearly equal parts; returns [begin, end) for thread ith.
 inline void split_range(int64_t n, int ith, int nth, int64_t& b, int64_t& e) {
   const int64_t per = (n + nth - 1) / nth;
