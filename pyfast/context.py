@@ -122,13 +122,15 @@ class Context:
 
     # --- decoding --------------------------------------------------------------------------
     def decode(self, tokens: Sequence[int], positions: Sequence[int] | None = None,
-               seq_ids: Sequence[int] | int = 0, logits: str | Sequence[int] | np.ndarray = "last") -> np.ndarray:
+               seq_ids: Sequence[int] | int = 0, logits: str | Sequence[int] | np.ndarray = "last",
+               copy: bool = True) -> np.ndarray:
         """Run a batch of tokens and return the logits of the selected rows.
 
         tokens: token ids; positions: each token's position in its sequence (default: append
         after the sequence's last stored position); seq_ids: a sequence id per token (or one for
         all); logits: "last", "all", "none", or the row indices to return.
-        Returns float32 [n_selected, n_vocab], rows in the order requested.
+        Returns float32 [n_selected, n_vocab], rows in the order requested. copy=False may return
+        a view into the plan's output instead (valid until the next decode).
         """
         if (self.rec is None and not self.export_hidden and positions is not None and isinstance(logits, str)
                 and logits == "last"
@@ -172,18 +174,29 @@ class Context:
             if rows.size and (rows.min() < 0 or rows.max() >= T):
                 raise ValueError("decode: logits row index out of range")
 
-        out = np.empty((rows.size, n_vocab), dtype=np.float32)
         toks32 = toks.astype(np.int32)
         if self.rec is not None or self.export_hidden:
+            out = np.empty((rows.size, n_vocab), dtype=np.float32)
             return self._decode_grouped(toks32, seqs, pos, rows, out)
+        # one sequence at consecutive positions (a verify batch): native cell bookkeeping
+        run = (isinstance(seq_ids, (int, np.integer)) and T <= self.n_ubatch and int(pos[-1]) - int(pos[0]) == T - 1
+               and (T <= 2 or bool(np.all(np.diff(pos) == 1))))
+        out = None
         for u0 in range(0, T, self.n_ubatch):
             u1 = min(T, u0 + self.n_ubatch)
             sel = np.flatnonzero((rows >= u0) & (rows < u1))
             n_out = max(1, sel.size)  # a graph always returns at least one row
             out_ids = (rows[sel] - u0).astype(np.int32) if sel.size else np.zeros(1, dtype=np.int32)
-            slots = self.kv.prepare(seqs[u0:u1], pos[u0:u1])
+            if run:
+                slots = self.kv.prepare_run(int(seq_ids), int(pos[0]), T)
+            else:
+                slots = self.kv.prepare(seqs[u0:u1], pos[u0:u1])
             plan = self._plan(BatchShape(u1 - u0, slots.n_kv, n_out))
             self._run(plan, toks32[u0:u1], pos[u0:u1], out_ids, slots)
+            if not copy and sel.size == rows.size:  # every requested row is in this micro-batch
+                return plan.output("logits", copy=False)
+            if out is None:
+                out = np.empty((rows.size, n_vocab), dtype=np.float32)
             if sel.size:
                 out[sel] = plan.output("logits", copy=False)
         return out

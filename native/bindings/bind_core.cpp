@@ -13,6 +13,7 @@
 
 #include "bindings/bindings.h"
 #include "pyfast/cpu.h"
+#include "cpu/kernels/vexp.h"
 #include "pyfast/threadpool.h"
 
 namespace py = pybind11;
@@ -119,6 +120,58 @@ void bind_core(py::module_& m) {
      py::arg("mask"), py::arg("order"),
      "KV-cache bookkeeping for one token (the generation step): claims the cell for (seq, pos), writes the "
      "attention mask row and the position order of the first n_kv cells; returns (cell, n_kv), cell -1 when full.");
+  m.def("kv_prepare_run", [](py::array_t<int32_t, py::array::c_style> cell_pos, py::array_t<int32_t, py::array::c_style> cell_seq,
+                             int64_t used_top, int32_t seq, int32_t pos0, int64_t n, int64_t pad,
+                             py::array_t<float, py::array::c_style> mask, py::array_t<int32_t, py::array::c_style> order,
+                             py::array_t<int32_t, py::array::c_style> idx) -> int64_t {
+    const int64_t n_ctx = cell_pos.shape(0);
+    if (cell_seq.shape(0) != n_ctx || n < 1 || mask.size() < n * n_ctx || order.shape(0) < n_ctx || idx.shape(0) < n ||
+        pad < 1 || used_top < 0 || used_top > n_ctx || pos0 < 0)
+      throw std::invalid_argument("kv_prepare_run: inconsistent arguments");
+    int32_t* cp = cell_pos.mutable_data();
+    int32_t* cs = cell_seq.mutable_data();
+    float* mk = mask.mutable_data();
+    int32_t* od = order.mutable_data();
+    int32_t* cell = idx.mutable_data();
+    for (int64_t t = 0; t < n; ++t) cell[t] = -1;
+    // pairs already stored are overwritten in their cells; the others take the lowest free cells
+    for (int64_t j = 0; j < used_top; ++j)
+      if (cs[j] == seq && cp[j] >= pos0 && cp[j] - pos0 < n && cell[cp[j] - pos0] < 0) cell[cp[j] - pos0] = (int32_t)j;
+    int64_t top = used_top, j = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      if (cell[t] >= 0) continue;
+      while (j < n_ctx && cp[j] >= 0) ++j;
+      if (j >= n_ctx) return -1;  // full: nothing written
+      cell[t] = (int32_t)j++;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      cp[cell[t]] = pos0 + (int32_t)t;
+      cs[cell[t]] = seq;
+      top = std::max(top, (int64_t)cell[t] + 1);
+    }
+    const int64_t n_kv = std::min(n_ctx, (top + pad - 1) / pad * pad);
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) {
+      float* row = mk + t * n_kv;
+      const int32_t p = pos0 + (int32_t)t;
+      for (int64_t c = 0; c < n_kv; ++c) row[c] = (cs[c] == seq && cp[c] >= 0 && cp[c] <= p) ? 0.0f : ninf;
+    }
+    for (int64_t c = 0; c < n_kv; ++c) od[c] = (int32_t)c;
+    std::stable_sort(od, od + n_kv, [cp](int32_t a, int32_t b) { return cp[a] < cp[b]; });
+    return n_kv;
+  }, py::arg("cell_pos"), py::arg("cell_seq"), py::arg("used_top"), py::arg("seq"), py::arg("pos0"), py::arg("n"),
+     py::arg("pad"), py::arg("mask"), py::arg("order"), py::arg("idx"),
+     "kv_prepare_one for n consecutive positions pos0.. of one sequence (a verify batch): claims the cells "
+     "(written to idx), writes the n mask rows (row t at mask[t * n_kv:]) and the cell order; returns n_kv, "
+     "or -1 when the cache is full (then nothing is written).");
+  m.def("exp_f32", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+    const int64_t n = x.size();
+    py::array_t<float> out(n);
+    const float* px = x.data();
+    float* po = out.mutable_data();
+    exp_f32_array(px, po, n, cpu_isa());
+    return out;
+  }, py::arg("x"), "The kernels' exp (vexp.h) of a float32 array, in the current ISA's form (for tests).");
   m.def("topk_row", [](py::array_t<float, py::array::c_style | py::array::forcecast> x, int64_t k) {
     if (x.ndim() != 1) throw std::invalid_argument("topk_row: x must be 1-D");
     if (k < 1) throw std::invalid_argument("topk_row: k must be >= 1");

@@ -255,7 +255,13 @@ class SpecDecoder:
         # a draft longer than the memory can roll back: keep the state to restore (recurrent only)
         limit = getattr(ctx, "rollback_limit", float("inf"))
         saved = {s.seq: ctx.save_state(s.seq, kv=False) for s, m in zip(slots, lens) if m - 1 > limit}
-        logits = ctx.decode(toks, positions=pos, seq_ids=seqs, logits="all")
+        if len(slots) == 1:  # the usual case: the short paths (native KV bookkeeping, no logits copy)
+            if T == 1:
+                logits = ctx.decode_step(int(toks[0]), int(pos[0]), slots[0].seq)[None]
+            else:
+                logits = ctx.decode(toks, positions=pos, seq_ids=slots[0].seq, logits="all", copy=False)
+        else:
+            logits = ctx.decode(toks, positions=pos, seq_ids=seqs, logits="all")
         hidden = getattr(ctx, "last_hidden", None)  # the verify rows' (export_hidden), for process()
 
         out: list[list[int]] = []

@@ -41,3 +41,41 @@ def test_prepare_one_matches_prepare():
             np.testing.assert_array_equal(a.cell_seq, b.cell_seq)
             assert a._used_top == b._used_top
     assert n_full > 0  # the full-cache branch was exercised
+
+
+@pytest.mark.skipif(not hasattr(native, "kv_prepare_run"), reason="native module predates kv_prepare_run")
+def test_prepare_run_matches_prepare():
+    """prepare_run (a verify batch: n consecutive positions of one sequence, native) equals
+    prepare() on the same batch, including runs that overlap stored positions and a full cache."""
+    rng = np.random.default_rng(1)
+    n_full = n_overlap = 0
+    for trial in range(300):
+        n_ctx = int(rng.integers(1, 700))
+        a = KVCache(1, n_ctx, 1, 8, native.DType.F32)
+        b = KVCache(1, n_ctx, 1, 8, native.DType.F32)
+        for step in range(int(rng.integers(1, 30))):
+            if step and rng.random() < 0.2:
+                s, p = int(rng.integers(0, 3)), int(rng.integers(0, 40))
+                a.truncate(s, p)
+                b.truncate(s, p)
+                continue
+            s, p0, n = int(rng.integers(0, 3)), int(rng.integers(0, 40)), int(rng.integers(1, 18))
+            seqs, pos = np.full(n, s, np.int32), np.arange(p0, p0 + n, dtype=np.int32)
+            n_overlap += int(np.isin(pos, a.cell_pos[a.cell_seq == s]).any())
+            try:
+                x = a.prepare(seqs, pos)
+            except KVCacheFull:
+                with pytest.raises(KVCacheFull):
+                    b.prepare_run(s, p0, n)
+                np.testing.assert_array_equal(a.cell_pos, b.cell_pos)  # nothing written
+                n_full += 1
+                continue
+            y = b.prepare_run(s, p0, n)
+            assert x.n_kv == y.n_kv
+            np.testing.assert_array_equal(x.idx, y.idx)
+            np.testing.assert_array_equal(x.mask, y.mask)
+            np.testing.assert_array_equal(x.order, y.order)
+            np.testing.assert_array_equal(a.cell_pos, b.cell_pos)
+            np.testing.assert_array_equal(a.cell_seq, b.cell_seq)
+            assert a._used_top == b._used_top
+    assert n_full > 0 and n_overlap > 0

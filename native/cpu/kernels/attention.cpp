@@ -14,6 +14,7 @@
 #endif
 
 #include "cpu/kernels/common.h"
+#include "cpu/kernels/vexp.h"
 
 namespace pyfast {
 
@@ -83,33 +84,44 @@ __attribute__((target("avx2,fma,f16c"))) void dots_any_avx2(const float* q, int 
 
 // One query row's online-softmax updates over a block of nc cells (cells c: score s[c * kTile]
 // before the mask, V row v + c * Dv, mask mk[c]), with the row's accumulator (NV * 8 = Dv
-// floats) in registers: per cell exactly the scalar steps and the axpy_scale_avx2 /
-// axpy_avx2 arithmetic of the cell-by-cell loop.
+// floats) in registers: per cell exactly the steps of the cell-by-cell loop (running max m,
+// weight e = exp(m - s) when s raises the max, else exp(s - m)). The running maxima only need
+// compares, so they are found first and all of the block's exponentials are then taken eight at
+// a time (exp_f32x8 equals the loop's exp_f32 bit for bit).
 template <int NV>
 __attribute__((target("avx2,fma,f16c"))) void row_update_avx2(float* acc, float& m, float& l, const float* s,
                                                                const float* mk, const float* v, int nc) {
   constexpr int Dv = NV * 8;
   const float ninf = -std::numeric_limits<float>::infinity();
-  __m256 a[NV];
-  for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
-  const __m256 one = _mm256_set1_ps(1.0f);
+  alignas(32) float arg[kCells + 8], e[kCells + 8];
+  int cell[kCells];
+  bool up[kCells];
+  int n = 0;
+  float mm = m;
   for (int c = 0; c < nc; ++c) {
     if (mk[c] == ninf) continue;
     const float sc = s[c * kTile] + mk[c];
-    const float* vr = v + c * Dv;
-    if (sc > m) {
-      const float e = std::exp(m - sc);  // 0 on the first cell
-      m = sc;
-      l = l * e + 1.0f;
-      const __m256 ve = _mm256_set1_ps(e);
+    up[n] = sc > mm;
+    arg[n] = up[n] ? mm - sc : sc - mm;  // -inf on the first cell: weight 0
+    if (up[n]) mm = sc;
+    cell[n++] = c;
+  }
+  for (int k = 0; k < n; k += 8) _mm256_store_ps(e + k, exp_f32x8(_mm256_load_ps(arg + k)));
+  __m256 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int k = 0; k < n; ++k) {
+    const float* vr = v + cell[k] * Dv;
+    const __m256 ve = _mm256_set1_ps(e[k]);
+    if (up[k]) {
+      l = l * e[k] + 1.0f;
       for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(one, _mm256_loadu_ps(vr + 8 * i), _mm256_mul_ps(a[i], ve));
     } else {
-      const float e = std::exp(sc - m);
-      l += e;
-      const __m256 ve = _mm256_set1_ps(e);
+      l += e[k];
       for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(ve, _mm256_loadu_ps(vr + 8 * i), a[i]);
     }
   }
+  m = mm;
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
 
@@ -267,12 +279,12 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
         if (mk == ninf) continue;
         const float s = kern.dot(qbuf + r * D, krow, D) + mk;
         if (s > m[r]) {
-          const float c = std::exp(m[r] - s);  // 0 on the first cell
+          const float c = exp_f32(m[r] - s);  // 0 on the first cell
           m[r] = s;
           l[r] = l[r] * c + 1.0f;
           kern.axpy(acc + r * Dv, c, vrow, 1.0f, Dv);
         } else {
-          const float e = std::exp(s - m[r]);
+          const float e = exp_f32(s - m[r]);
           l[r] += e;
 #if defined(__x86_64__)
           if (kern.avx2) {

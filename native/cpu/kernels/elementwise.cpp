@@ -7,12 +7,52 @@
 #include <vector>
 
 #include "cpu/kernels/common.h"
+#include "cpu/kernels/vexp.h"
 
 namespace pyfast {
 
 namespace {
 
-inline float silu_f(float x) { return x / (1.0f + std::exp(-x)); }
+// SiLU with the kernels' exp (vexp.h): x / (1 + exp(-x)), bit-identical in every ISA.
+inline float silu_f(float x) { return x / (1.0f + exp_f32(-x)); }
+
+// o[i] = silu(x[i]) * u[i] (u == nullptr: silu(x[i])) over a contiguous row, SIMD where the ISA
+// has it; per element exactly silu_f (and the product), so the result is the same in every ISA.
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) int64_t silu_mul_avx512(const float* x, const float* u, float* o, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    __m512 y = _mm512_div_ps(v, _mm512_add_ps(one, exp_f32x16(_mm512_sub_ps(zero, v))));
+    if (u) y = _mm512_mul_ps(y, _mm512_loadu_ps(u + i));
+    _mm512_storeu_ps(o + i, y);
+  }
+  return i;
+}
+__attribute__((target("avx2,fma"))) int64_t silu_mul_avx2(const float* x, const float* u, float* o, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    __m256 y = _mm256_div_ps(v, _mm256_add_ps(one, exp_f32x8(_mm256_sub_ps(zero, v))));
+    if (u) y = _mm256_mul_ps(y, _mm256_loadu_ps(u + i));
+    _mm256_storeu_ps(o + i, y);
+  }
+  return i;
+}
+#endif
+
+void silu_mul_row(const float* x, const float* u, float* o, int64_t n, CpuIsa isa) {
+  int64_t i = 0;
+#if defined(__x86_64__)
+  if (isa == CpuIsa::avx512) i = silu_mul_avx512(x, u, o, n);
+  else if (isa == CpuIsa::avx2) i = silu_mul_avx2(x, u, o, n);
+#else
+  (void)isa;
+#endif
+  for (; i < n; ++i) o[i] = u ? silu_f(x[i]) * u[i] : silu_f(x[i]);
+}
 
 template <typename F>
 void binary_rows(const ComputeParams& p, Node& dst, const Node* a, const Node* b, F f) {
@@ -69,11 +109,28 @@ void cpu_scale(const ComputeParams& p, Node& dst, const Node* const* src) {
 }
 
 void cpu_silu(const ComputeParams& p, Node& dst, const Node* const* src) {
-  unary_rows(p, dst, src[0], silu_f);
+  const Shape& sa = src[0]->shape;
+  if (inner_stride(sa) != 4) return unary_rows(p, dst, src[0], silu_f);
+  const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
+  int64_t r0, r1;
+  split_range(nr, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r)
+    silu_mul_row(reinterpret_cast<const float*>(src[0]->data + row_offset(sa, r)), nullptr,
+                 reinterpret_cast<float*>(dst.data) + r * n, n, p.isa);
 }
 
 void cpu_swiglu(const ComputeParams& p, Node& dst, const Node* const* src) {
-  binary_rows(p, dst, src[0], src[1], [](float g, float u) { return silu_f(g) * u; });
+  const Shape& sa = src[0]->shape;
+  const Shape& sb = src[1]->shape;
+  if (inner_stride(sa) != 4 || sb.dims[sb.ndim - 1] == 1 || inner_stride(sb) != 4)
+    return binary_rows(p, dst, src[0], src[1], [](float g, float u) { return silu_f(g) * u; });
+  const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
+  int64_t r0, r1;
+  split_range(nr, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r)
+    silu_mul_row(reinterpret_cast<const float*>(src[0]->data + row_offset(sa, r)),
+                 reinterpret_cast<const float*>(src[1]->data + bcast_row_offset(sa, sb, r)),
+                 reinterpret_cast<float*>(dst.data) + r * n, n, p.isa);
 }
 
 void cpu_cpy(const ComputeParams& p, Node& dst, const Node* const* src) {
@@ -193,9 +250,9 @@ void cpu_argmax(const ComputeParams& p, Node& dst, const Node* const* src) {
   }
 }
 
-// sigmoid / softplus: plain libm per element (these run on small gate tensors).
+// sigmoid with the kernels' exp; softplus with libm (these run on small gate tensors).
 void cpu_sigmoid(const ComputeParams& p, Node& dst, const Node* const* src) {
-  unary_rows(p, dst, src[0], [](float x) { return 1.0f / (1.0f + std::exp(-x)); });
+  unary_rows(p, dst, src[0], [](float x) { return 1.0f / (1.0f + exp_f32(-x)); });
 }
 
 // log(1 + exp(x)), and x itself above torch's default threshold of 20.
