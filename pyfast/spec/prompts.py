@@ -49,11 +49,45 @@ LETTER = (
     "Service"
 )
 
+RECIPE = (
+    "Lemon rice for two. Rinse one cup of rice until the water runs clear. Heat a spoon of oil in a "
+    "pan, add a pinch of mustard seeds and wait until they pop. Add a handful of peanuts, a sliced "
+    "green chili and a few curry leaves, and stir for one minute. Add the rice, two cups of water, "
+    "half a spoon of salt and a pinch of turmeric. Cover and cook on low heat for fifteen minutes. "
+    "Turn off the heat, squeeze in the juice of one lemon, mix gently and serve warm."
+)
+
+CLASS_CODE = '''class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, item):
+        self.counts[item] = self.counts.get(item, 0) + 1
+
+    def most_common(self, n):
+        items = sorted(self.counts.items(), key=lambda kv: kv[1], reverse=True)
+        return items[:n]
+
+    def total(self):
+        return sum(self.counts.values())
+'''
+
+NOTICE = (
+    "Notice to all residents: the water supply on Elm Street will be switched off on Tuesday from "
+    "9 a.m. to 3 p.m. while the old pipes under the road are replaced. Please fill a few bottles "
+    "with water the evening before. Parking on the east side of the street will not be allowed on "
+    "that day. If you have questions, call the city office at 555-0142 between 8 a.m. and 5 p.m."
+)
+
 COPY_PROMPTS = [
     "Repeat the following text exactly:\n\n" + PASSAGE,
     "Here is a Python file:\n\n" + CODE + "\nRepeat the code above exactly, without any changes.",
     "Rewrite the following letter, changing only the name Tom Evans to Anna Berg:\n\n" + LETTER,
     "Copy this code and add a docstring to each function:\n\n" + CODE,
+    "Repeat this recipe word for word:\n\n" + RECIPE,
+    "Here is a Python class:\n\n" + CLASS_CODE + "\nWrite the same class again, unchanged.",
+    "Rewrite this notice, changing Tuesday to Thursday and keeping everything else the same:\n\n" + NOTICE,
+    "Copy the following class and add a type hint to every method:\n\n" + CLASS_CODE,
 ]
 
 CHAT_PROMPTS = [
