@@ -178,9 +178,10 @@ class Context:
         if self.rec is not None or self.export_hidden:
             out = np.empty((rows.size, n_vocab), dtype=np.float32)
             return self._decode_grouped(toks32, seqs, pos, rows, out)
-        # one sequence at consecutive positions (a verify batch): native cell bookkeeping
-        run = (isinstance(seq_ids, (int, np.integer)) and T <= self.n_ubatch and int(pos[-1]) - int(pos[0]) == T - 1
-               and (T <= 2 or bool(np.all(np.diff(pos) == 1))))
+        # a short run of one sequence at consecutive positions (a verify batch): native cell
+        # bookkeeping into reused buffers (prompts keep the general path)
+        run = (isinstance(seq_ids, (int, np.integer)) and T <= min(64, self.n_ubatch)
+               and int(pos[-1]) - int(pos[0]) == T - 1 and (T <= 2 or bool(np.all(np.diff(pos) == 1))))
         out = None
         for u0 in range(0, T, self.n_ubatch):
             u1 = min(T, u0 + self.n_ubatch)
@@ -193,7 +194,7 @@ class Context:
                 slots = self.kv.prepare(seqs[u0:u1], pos[u0:u1])
             plan = self._plan(BatchShape(u1 - u0, slots.n_kv, n_out))
             self._run(plan, toks32[u0:u1], pos[u0:u1], out_ids, slots)
-            if not copy and sel.size == rows.size:  # every requested row is in this micro-batch
+            if not copy and 0 < sel.size == rows.size:  # every requested row is in this micro-batch
                 return plan.output("logits", copy=False)
             if out is None:
                 out = np.empty((rows.size, n_vocab), dtype=np.float32)

@@ -180,8 +180,9 @@ class KVCache:
             self._one_mask = np.empty(self.n_ctx, dtype=np.float32)
             self._one_order = np.empty(self.n_ctx, dtype=np.int32)
         if self._run_mask is None or self._run_idx.size < n:
-            self._run_mask = np.empty(max(n, 32) * self.n_ctx, dtype=np.float32)
-            self._run_idx = np.empty(max(n, 32), dtype=np.int32)
+            m = max(n, 32)  # verify batches: a few dozen rows at most (Context.decode's run path)
+            self._run_mask = np.empty(m * self.n_ctx, dtype=np.float32)
+            self._run_idx = np.empty(m, dtype=np.int32)
         n_kv = fn(self.cell_pos, self.cell_seq, self._used_top, seq, pos0, n, KV_PAD, self._run_mask,
                   self._one_order, self._run_idx)
         if n_kv < 0:
