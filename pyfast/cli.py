@@ -199,7 +199,7 @@ def _bench_spec(a, threads: list[int], n_gen: int) -> int:
     rows = run_spec_bench(str(resolve_model(a.model)), configs, prompts=a.prompts, n_gen=n_gen,
                           threads=threads, reps=a.repetitions, temperature=a.temp, n_ctx=a.ctx_size,
                           log=lambda m: print(m, file=sys.stderr))
-    print(format_spec_results(rows, a.output))
+    print(format_spec_results(rows, a.output, per_prompt=a.per_prompt))
     return 0
 
 
@@ -274,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt set for --spec: copy (repeat/rewrite a passage or code), chat, all, or a file "
                         "(.json list, or prompts separated by lines '---')")
     p.add_argument("--temp", type=float, default=0.0, help="temperature for --spec (0 = greedy)")
+    p.add_argument("--per-prompt", action="store_true",
+                   help="with --spec: also print each prompt's speedup (median over repetitions)")
     p.add_argument("-c", "--ctx-size", dest="ctx_size_spec", type=int, default=2048,
                    help="context size for --spec")
     _add_spec(p, bench=True)

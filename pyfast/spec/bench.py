@@ -35,6 +35,10 @@ class SpecBenchRow:
     identical: bool | None = None   # greedy only: same tokens as plain decoding on every prompt
     tps_samples: list[float] = field(default_factory=list)
     speedup_samples: list[float] = field(default_factory=list)
+    # per prompt (in set order): median over repetitions of this config's tokens/s over plain's
+    # on that prompt, and the prompt's generated tokens
+    prompt_speedups: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
 
 
 def run_spec_bench(model_path: str, configs: list[tuple[str, SpecConfig]], prompts: str = "copy",
@@ -67,7 +71,8 @@ def run_spec_bench(model_path: str, configs: list[tuple[str, SpecConfig]], promp
             llm.generate(texts_in[0], max_tokens=16, **kw)
             if llm._spec is not None:
                 llm._spec.calibrate()
-        per = {name: dict(tok=[], sec=[], stats=[], outs=[]) for name, _ in runners}
+        per = {name: dict(tok=[], sec=[], stats=[], outs=[], ptps=[[] for _ in texts_in], ptok=[0] * len(texts_in))
+               for name, _ in runners}
         for r in range(reps):
             for _, llm in runners:  # cross-request memory (ngram-mod) must not remember earlier reps
                 for p in (llm._spec.proposers if llm._spec is not None else ()):
@@ -75,13 +80,16 @@ def run_spec_bench(model_path: str, configs: list[tuple[str, SpecConfig]], promp
                         p.reset()
             order = runners if r % 2 == 0 else runners[::-1]
             tot = {name: [0, 0.0] for name, _ in runners}
-            for text in texts_in:
+            for pi, text in enumerate(texts_in):
                 for name, llm in order:
                     llm.ctx.clear()
                     llm._cached = []
                     res = llm.generate(text, max_tokens=n_gen, **kw)
                     tot[name][0] += res.timings.n_gen
                     tot[name][1] += res.timings.gen_s
+                    if res.timings.gen_s > 0:
+                        per[name]["ptps"][pi].append(res.timings.n_gen / res.timings.gen_s)
+                    per[name]["ptok"][pi] = res.timings.n_gen
                     if res.spec is not None:
                         per[name]["stats"].append(res.spec)
                     if r == 0:
@@ -99,7 +107,11 @@ def run_spec_bench(model_path: str, configs: list[tuple[str, SpecConfig]], promp
             ratios = [a / b if b > 0 else 0.0 for a, b in zip(tps, plain)]
             row = SpecBenchRow(config=name, prompts=set_name, threads=nt, n_prompts=len(texts_in),
                                n_gen=int(statistics.median(p["tok"])), tps=statistics.median(tps),
-                               speedup=statistics.median(ratios), tps_samples=tps, speedup_samples=ratios)
+                               speedup=statistics.median(ratios), tps_samples=tps, speedup_samples=ratios,
+                               prompt_tokens=list(p["ptok"]))
+            for pi in range(len(texts_in)):
+                pr = [a / b for a, b in zip(p["ptps"][pi], per["none"]["ptps"][pi]) if b > 0]
+                row.prompt_speedups.append(statistics.median(pr) if pr else 0.0)
             if p["stats"]:
                 from pyfast.spec.stats import SpecStats
 
@@ -115,9 +127,23 @@ def run_spec_bench(model_path: str, configs: list[tuple[str, SpecConfig]], promp
     return results
 
 
-def format_spec_results(rows: list[SpecBenchRow], fmt: str = "md") -> str:
+def format_spec_results(rows: list[SpecBenchRow], fmt: str = "md", per_prompt: bool = False) -> str:
     if fmt == "json":
         return json.dumps([asdict(r) for r in rows], indent=2)
+    text = _format_spec_table(rows)
+    spec_rows = [r for r in rows if r.config != "none"]
+    if per_prompt and spec_rows:
+        n = len(spec_rows[0].prompt_speedups)
+        head = "| prompt | tokens | " + " | ".join(f"{r.config} (t{r.threads})" for r in spec_rows) + " |"
+        lines = ["", head, "| ---: | ---: |" + " ---: |" * len(spec_rows)]
+        for i in range(n):
+            lines.append(f"| {i} | {spec_rows[0].prompt_tokens[i]} | "
+                         + " | ".join(f"{r.prompt_speedups[i]:.2f}x" for r in spec_rows) + " |")
+        text += "\n" + "\n".join(lines)
+    return text
+
+
+def _format_spec_table(rows: list[SpecBenchRow]) -> str:
     out = ["| config | prompts | threads | tokens | t/s | speedup | acceptance | mean acc. len | tok/step "
            "| draft / verify s | identical |",
            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
