@@ -129,7 +129,8 @@ def make_proposers(cfg: SpecConfig, target: "Model", n_ctx: int, n_threads: int 
         if isinstance(t, Proposer):
             out.append(t)
         elif t == "ngram-simple":
-            out.append(NgramSimple(n=cfg.ngram_n))
+            # fallback drafts are cheap bets only an adaptive controller can switch off
+            out.append(NgramSimple(n=cfg.ngram_n, n_fallback=2 if cfg.adaptive else 0))
         elif t == "ngram-map-k":
             out.append(NgramMapK(n=cfg.ngram_n))
         elif t == "ngram-mod":

@@ -82,21 +82,30 @@ class NgramSimple(Proposer):
     tokens of the anchor (+-2 for one token, +-4 for two, +-8 for three or more) is used, with a
     draft of at most ``n_max_local`` tokens; once some are accepted the full key matches again.
 
-    Drafts are labelled (``Draft.kind``) "local", "short" (match < 6) or "" (long) for the
-    adaptive controller, with prior acceptance rates measured on SmolLM2 chat and copy prompts.
+    Fallback (``n_fallback`` > 0, on when the adaptive controller is): when neither finds a
+    continuation, the most recent earlier occurrence of the last n-1 .. ``n_fallback`` tokens
+    anywhere in the sequence gives a draft of at most ``n_max_fallback`` tokens. Such drafts are
+    accepted far less often; an extra verify row costs a fraction of a step, so they pay only while
+    the controller's running acceptance for them says so, which is why they stay off without it.
+
+    Drafts are labelled (``Draft.kind``) "local", "short" (match < 6), "fallback" or "" (long) for
+    the adaptive controller, with prior acceptance rates measured on SmolLM2 chat and copy prompts.
     """
 
     name = "ngram-simple"
     default_n_max = 16
-    kind_priors = {"": 0.9, "short": 0.6, "local": 0.5}
+    kind_priors = {"": 0.9, "short": 0.6, "local": 0.5, "fallback": 0.3}
 
-    def __init__(self, n: int = 4, n_local: int = 1, n_max_local: int = 4, grow: bool = True):
+    def __init__(self, n: int = 4, n_local: int = 1, n_max_local: int = 4, grow: bool = True,
+                 n_fallback: int = 0, n_max_fallback: int = 2):
         if n < 1:
             raise ValueError(f"ngram-simple: key length n must be >= 1, got {n}")
         self.n = n
         self.n_local = max(0, min(n_local, n - 1))
         self.n_max_local = max(1, n_max_local)
         self.grow = grow
+        self.n_fallback = max(0, min(n_fallback, n - 1))
+        self.n_max_fallback = max(1, n_max_fallback)
         self._anchor: dict[int, tuple[int, int]] = {}  # seq -> (source index expected next, length then)
         self._last: dict[int, tuple[int, int]] = {}    # seq -> (source start of the draft, length then)
 
@@ -150,6 +159,12 @@ class NgramSimple(Proposer):
                 start = self._local_match(h, r.seq)
                 kind = "local"
                 n_max = min(n_max, self.n_max_local)
+                if start < 0 and self.n_fallback:
+                    for m in range(self.n - 1, self.n_fallback - 1, -1):
+                        jf = _find_last_match(h, m)
+                        if jf >= 0:
+                            start, kind, n_max = jf + 1, "fallback", min(r.n_max, self.n_max_fallback)
+                            break
             cont = h[start: start + n_max] if start >= 0 else h[:0]
             if cont.size == 0:
                 out.append(None)

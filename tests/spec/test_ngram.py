@@ -65,6 +65,31 @@ def test_simple_resyncs_near_anchor_after_a_deviation():
 
 # --- ngram-map-k ------------------------------------------------------------------------------
 
+def test_simple_fallback_uses_shorter_keys_only_when_enabled():
+    # the last 4 tokens (5 6 7 8) occur nowhere earlier, nor do 6 7 8; 7 8 does (then 30 31 32)
+    h = [7, 8, 30, 31, 32, 1, 2, 3, 5, 6, 7, 8]
+    assert draft1(NgramSimple(n=4, n_local=0), h) is None
+    p = NgramSimple(n=4, n_local=0, n_fallback=2, n_max_fallback=2)
+    d = p.draft([req(h)])[0]
+    assert d.tokens.tolist() == [30, 31] and d.kind == "fallback"
+    # the longest shorter key wins: 6 7 8 occurs too once added, with a different continuation
+    h2 = [7, 8, 30, 31, 6, 7, 8, 40, 41, 42, 5, 6, 7, 8]
+    assert draft1(p, h2) == [40, 41]
+    # a full-key match is never replaced by a fallback
+    h3 = [5, 6, 7, 8, 50, 51, 7, 8, 60, 5, 6, 7, 8]
+    assert draft1(p, h3)[:2] == [50, 51]
+    assert draft1(p, [1, 2, 3, 4, 5]) is None  # nothing repeats at all
+
+
+def test_adaptive_config_turns_fallback_on():
+    from pyfast.spec.config import SpecConfig, make_proposers
+
+    (plain,) = make_proposers(SpecConfig(types=["ngram-simple"]), None, 512)
+    (adaptive,) = make_proposers(SpecConfig(types=["ngram-simple"], adaptive=True), None, 512)
+    assert plain.n_fallback == 0 and adaptive.n_fallback == 2
+    assert "fallback" in adaptive.kind_priors
+
+
 def test_map_k_matches_and_caps_by_last_accepted_length():
     p = NgramMapK(n=3)
     p.begin(0, [])
