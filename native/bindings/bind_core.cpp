@@ -21,10 +21,42 @@ using namespace pyfast;
 
 namespace pyfast_py {
 
-// Host memory owned by Python objects (KV caches, recurrent states); 64-byte aligned, zeroed.
-// Zeroed, 64-byte aligned host memory. Large buffers come from an anonymous mapping, whose pages
-// the kernel zero-fills on first touch: a KV cache sized for a long context costs resident
-// memory only for the cells actually written.
+// KV-cache bookkeeping for n consecutive positions pos0.. of sequence seq (KVCache.prepare for
+// that case): a pair already stored keeps its cell, the others take the lowest free cells
+// (cell[t]); then the n mask rows over the first n_kv cells (row t at mk + t * n_kv) and the cells'
+// position order. Returns n_kv, or -1 when the cache is full (then nothing is written).
+static int64_t kv_prepare(int32_t* cp, int32_t* cs, int64_t n_ctx, int64_t used_top, int32_t seq, int32_t pos0, int64_t n,
+                          int64_t pad, float* mk, int32_t* od, int32_t* cell) {
+  for (int64_t t = 0; t < n; ++t) cell[t] = -1;
+  for (int64_t j = 0; j < used_top; ++j)
+    if (cs[j] == seq && cp[j] >= pos0 && cp[j] - pos0 < n && cell[cp[j] - pos0] < 0) cell[cp[j] - pos0] = (int32_t)j;
+  int64_t top = used_top, j = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (cell[t] >= 0) continue;
+    while (j < n_ctx && cp[j] >= 0) ++j;
+    if (j >= n_ctx) return -1;
+    cell[t] = (int32_t)j++;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    cp[cell[t]] = pos0 + (int32_t)t;
+    cs[cell[t]] = seq;
+    top = std::max(top, (int64_t)cell[t] + 1);
+  }
+  const int64_t n_kv = std::min(n_ctx, (top + pad - 1) / pad * pad);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) {
+    float* row = mk + t * n_kv;
+    const int32_t p = pos0 + (int32_t)t;
+    for (int64_t c = 0; c < n_kv; ++c) row[c] = (cs[c] == seq && cp[c] >= 0 && cp[c] <= p) ? 0.0f : ninf;
+  }
+  for (int64_t c = 0; c < n_kv; ++c) od[c] = (int32_t)c;
+  std::stable_sort(od, od + n_kv, [cp](int32_t a, int32_t b) { return cp[a] < cp[b]; });
+  return n_kv;
+}
+
+// Host memory owned by Python objects (KV caches, recurrent states): zeroed, 64-byte aligned.
+// Large buffers come from an anonymous mapping, whose pages the kernel zero-fills on first touch:
+// a KV cache sized for a long context costs resident memory only for the cells actually written.
 struct HostBuffer {
   static constexpr size_t kMapThreshold = size_t(1) << 20;
   explicit HostBuffer(size_t n) : nbytes(n) {
@@ -92,30 +124,13 @@ void bind_core(py::module_& m) {
                              py::array_t<float, py::array::c_style> mask, py::array_t<int32_t, py::array::c_style> order) -> py::tuple {
     const int64_t n_ctx = cell_pos.shape(0);
     if (cell_seq.shape(0) != n_ctx || mask.shape(0) < n_ctx || order.shape(0) < n_ctx || pad < 1 || used_top < 0 ||
-        used_top > n_ctx)
+        used_top > n_ctx || pos < 0)
       throw std::invalid_argument("kv_prepare_one: inconsistent arguments");
-    int32_t* cp = cell_pos.mutable_data();
-    int32_t* cs = cell_seq.mutable_data();
-    float* mk = mask.mutable_data();
-    int32_t* od = order.mutable_data();
-    int64_t cell = -1;
-    for (int64_t j = 0; j < used_top; ++j)
-      if (cp[j] == pos && cs[j] == seq) { cell = j; break; }
-    if (cell < 0)
-      for (int64_t j = 0; j < n_ctx; ++j)
-        if (cp[j] < 0) { cell = j; break; }
-    if (cell < 0) return py::make_tuple((int64_t)-1, (int64_t)0);
-    cp[cell] = pos;
-    cs[cell] = seq;
-    const int64_t top = std::max(used_top, cell + 1);
-    const int64_t n_kv = std::min(n_ctx, (top + pad - 1) / pad * pad);
-    const float ninf = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n_kv; ++j) {
-      mk[j] = (cs[j] == seq && cp[j] >= 0 && cp[j] <= pos) ? 0.0f : ninf;
-      od[j] = (int32_t)j;
-    }
-    std::stable_sort(od, od + n_kv, [cp](int32_t a, int32_t b) { return cp[a] < cp[b]; });
-    return py::make_tuple((int64_t)cell, (int64_t)n_kv);
+    int32_t cell = -1;
+    const int64_t n_kv = kv_prepare(cell_pos.mutable_data(), cell_seq.mutable_data(), n_ctx, used_top, seq, pos, 1, pad,
+                                    mask.mutable_data(), order.mutable_data(), &cell);
+    if (n_kv < 0) return py::make_tuple((int64_t)-1, (int64_t)0);
+    return py::make_tuple((int64_t)cell, n_kv);
   }, py::arg("cell_pos"), py::arg("cell_seq"), py::arg("used_top"), py::arg("seq"), py::arg("pos"), py::arg("pad"),
      py::arg("mask"), py::arg("order"),
      "KV-cache bookkeeping for one token (the generation step): claims the cell for (seq, pos), writes the "
@@ -128,37 +143,8 @@ void bind_core(py::module_& m) {
     if (cell_seq.shape(0) != n_ctx || n < 1 || mask.size() < n * n_ctx || order.shape(0) < n_ctx || idx.shape(0) < n ||
         pad < 1 || used_top < 0 || used_top > n_ctx || pos0 < 0)
       throw std::invalid_argument("kv_prepare_run: inconsistent arguments");
-    int32_t* cp = cell_pos.mutable_data();
-    int32_t* cs = cell_seq.mutable_data();
-    float* mk = mask.mutable_data();
-    int32_t* od = order.mutable_data();
-    int32_t* cell = idx.mutable_data();
-    for (int64_t t = 0; t < n; ++t) cell[t] = -1;
-    // pairs already stored are overwritten in their cells; the others take the lowest free cells
-    for (int64_t j = 0; j < used_top; ++j)
-      if (cs[j] == seq && cp[j] >= pos0 && cp[j] - pos0 < n && cell[cp[j] - pos0] < 0) cell[cp[j] - pos0] = (int32_t)j;
-    int64_t top = used_top, j = 0;
-    for (int64_t t = 0; t < n; ++t) {
-      if (cell[t] >= 0) continue;
-      while (j < n_ctx && cp[j] >= 0) ++j;
-      if (j >= n_ctx) return -1;  // full: nothing written
-      cell[t] = (int32_t)j++;
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      cp[cell[t]] = pos0 + (int32_t)t;
-      cs[cell[t]] = seq;
-      top = std::max(top, (int64_t)cell[t] + 1);
-    }
-    const int64_t n_kv = std::min(n_ctx, (top + pad - 1) / pad * pad);
-    const float ninf = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) {
-      float* row = mk + t * n_kv;
-      const int32_t p = pos0 + (int32_t)t;
-      for (int64_t c = 0; c < n_kv; ++c) row[c] = (cs[c] == seq && cp[c] >= 0 && cp[c] <= p) ? 0.0f : ninf;
-    }
-    for (int64_t c = 0; c < n_kv; ++c) od[c] = (int32_t)c;
-    std::stable_sort(od, od + n_kv, [cp](int32_t a, int32_t b) { return cp[a] < cp[b]; });
-    return n_kv;
+    return kv_prepare(cell_pos.mutable_data(), cell_seq.mutable_data(), n_ctx, used_top, seq, pos0, n, pad,
+                      mask.mutable_data(), order.mutable_data(), idx.mutable_data());
   }, py::arg("cell_pos"), py::arg("cell_seq"), py::arg("used_top"), py::arg("seq"), py::arg("pos0"), py::arg("n"),
      py::arg("pad"), py::arg("mask"), py::arg("order"), py::arg("idx"),
      "kv_prepare_one for n consecutive positions pos0.. of one sequence (a verify batch): claims the cells "

@@ -60,8 +60,9 @@ class KVCache:
         self.cell_pos = np.full(n_ctx, -1, dtype=np.int32)
         self.cell_seq = np.full(n_ctx, -1, dtype=np.int32)
         self._used_top = 0  # one past the highest used cell
-        self._one_mask = self._one_order = None  # prepare_one's reusable outputs
-        self._run_mask = self._run_idx = None    # prepare_run's
+        # prepare_one's / prepare_run's reusable outputs (allocated on first use); the cell order
+        # buffer is shared
+        self._one_mask = self._order = self._run_mask = self._run_idx = None
 
     # --- bookkeeping -----------------------------------------------------------------------
     @property
@@ -173,38 +174,32 @@ class KVCache:
     def prepare_run(self, seq: int, pos0: int, n: int) -> BatchSlots:
         """prepare() for n consecutive positions pos0 .. pos0+n-1 of one sequence (a verify batch),
         done natively; like prepare_one, the result's arrays are reused by the next call."""
-        fn = getattr(native, "kv_prepare_run", None)
-        if fn is None:
-            return self.prepare(np.full(n, seq, dtype=np.int32), np.arange(pos0, pos0 + n, dtype=np.int32))
-        if self._one_mask is None:
-            self._one_mask = np.empty(self.n_ctx, dtype=np.float32)
-            self._one_order = np.empty(self.n_ctx, dtype=np.int32)
+        if self._order is None:
+            self._order = np.empty(self.n_ctx, dtype=np.int32)
         if self._run_mask is None or self._run_idx.size < n:
             m = max(n, 32)  # verify batches: a few dozen rows at most (Context.decode's run path)
             self._run_mask = np.empty(m * self.n_ctx, dtype=np.float32)
             self._run_idx = np.empty(m, dtype=np.int32)
-        n_kv = fn(self.cell_pos, self.cell_seq, self._used_top, seq, pos0, n, KV_PAD, self._run_mask,
-                  self._one_order, self._run_idx)
+        n_kv = native.kv_prepare_run(self.cell_pos, self.cell_seq, self._used_top, seq, pos0, n, KV_PAD,
+                                     self._run_mask, self._order, self._run_idx)
         if n_kv < 0:
             raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, {n} more needed")
         idx = self._run_idx[:n]
         self._used_top = max(self._used_top, int(idx.max()) + 1)
         return BatchSlots(idx=idx, mask=self._run_mask[: n * n_kv].reshape(n, n_kv),
-                          order=self._one_order[:n_kv], n_kv=n_kv)
+                          order=self._order[:n_kv], n_kv=n_kv)
 
     def prepare_one(self, seq: int, pos: int) -> BatchSlots:
         """prepare() for one token, done natively: the result's mask and order are views into
         buffers reused by the next call, so use them before preparing another batch."""
-        fn = getattr(native, "kv_prepare_one", None)
-        if fn is None:  # a native module built before the helper existed
-            return self.prepare(np.array([seq], dtype=np.int32), np.array([pos], dtype=np.int32))
         if self._one_mask is None:
             self._one_mask = np.empty(self.n_ctx, dtype=np.float32)
-            self._one_order = np.empty(self.n_ctx, dtype=np.int32)
-        cell, n_kv = fn(self.cell_pos, self.cell_seq, self._used_top, seq, pos, KV_PAD, self._one_mask,
-                        self._one_order)
+            if self._order is None:
+                self._order = np.empty(self.n_ctx, dtype=np.int32)
+        cell, n_kv = native.kv_prepare_one(self.cell_pos, self.cell_seq, self._used_top, seq, pos, KV_PAD,
+                                           self._one_mask, self._order)
         if cell < 0:
             raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, 1 more needed")
         self._used_top = max(self._used_top, cell + 1)
         return BatchSlots(idx=np.array([cell], dtype=np.int32), mask=self._one_mask[:n_kv].reshape(1, n_kv),
-                          order=self._one_order[:n_kv], n_kv=n_kv)
+                          order=self._order[:n_kv], n_kv=n_kv)

@@ -146,6 +146,18 @@ class DraftTokenPicker:
             ent = self._samplers[r.seq] = (r.sampler, Sampler(params, self.n_vocab))
         return ent[1]
 
+    def extend(self, r: DraftRequest, row: np.ndarray, drafted: list[int], probs: list[np.ndarray]) -> int | None:
+        """pick() and append the token to ``drafted`` (its distribution, when sampling, to
+        ``probs``); returns the token, or None when the chain stops."""
+        got = self.pick(r, row, drafted)
+        if got is None:
+            return None
+        t, q = got
+        if q is not None:
+            probs.append(q)
+        drafted.append(t)
+        return t
+
     def pick(self, r: DraftRequest, row: np.ndarray, drafted: Sequence[int]) -> tuple[int, np.ndarray | None] | None:
         """(token, its draft distribution or None when greedy), or None to stop this chain."""
         if r.greedy:

@@ -127,13 +127,9 @@ class DraftModelProposer(Proposer):
             self.n_decodes += 1
             nxt = []
             for i, r in enumerate(live):
-                got = self._picker.pick(r, logits[i], drafts[r.seq])
-                if got is None:
+                t = self._picker.extend(r, logits[i], drafts[r.seq], probs[r.seq])
+                if t is None:
                     continue
-                t, q = got
-                if q is not None:
-                    probs[r.seq].append(q)
-                drafts[r.seq].append(t)
                 start[r.seq] += feed[r.seq].size
                 if len(drafts[r.seq]) < r.n_max:
                     feed[r.seq] = np.array([t], dtype=np.int32)

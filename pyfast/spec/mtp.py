@@ -443,13 +443,9 @@ class MTPProposer(Proposer):
                                        h=h.copy(), logits=logits.copy(), hidden=out_h.copy()))
             nl, nt, npos, nh = [], [], [], []
             for i, r in enumerate(live):
-                got = self._picker.pick(r, logits[i], drafts[r.seq])
-                if got is None:
+                t = self._picker.extend(r, logits[i], drafts[r.seq], probs[r.seq])
+                if t is None:
                     continue
-                t, q = got
-                if q is not None:
-                    probs[r.seq].append(q)
-                drafts[r.seq].append(t)
                 if len(drafts[r.seq]) < r.n_max:
                     nl.append(r)
                     nt.append(t)

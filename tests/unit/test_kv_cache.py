@@ -10,7 +10,17 @@ from pyfast._loader import native
 from pyfast.memory.kv_cache import KVCache, KVCacheFull
 
 
-@pytest.mark.skipif(not hasattr(native, "kv_prepare_one"), reason="native module predates kv_prepare_one")
+def assert_same(a: KVCache, x, b: KVCache, y) -> None:
+    """Batch slots x (from a) and y (from b) and the two caches' bookkeeping are identical."""
+    assert x.n_kv == y.n_kv
+    np.testing.assert_array_equal(x.idx, y.idx)
+    np.testing.assert_array_equal(x.mask, y.mask)
+    np.testing.assert_array_equal(x.order, y.order)
+    np.testing.assert_array_equal(a.cell_pos, b.cell_pos)
+    np.testing.assert_array_equal(a.cell_seq, b.cell_seq)
+    assert a._used_top == b._used_top
+
+
 def test_prepare_one_matches_prepare():
     rng = np.random.default_rng(0)
     n_full = 0
@@ -32,18 +42,10 @@ def test_prepare_one_matches_prepare():
                     b.prepare_one(s, p)
                 n_full += 1
                 continue
-            y = b.prepare_one(s, p)
-            assert x.n_kv == y.n_kv
-            np.testing.assert_array_equal(x.idx, y.idx)
-            np.testing.assert_array_equal(x.mask, y.mask)
-            np.testing.assert_array_equal(x.order, y.order)
-            np.testing.assert_array_equal(a.cell_pos, b.cell_pos)
-            np.testing.assert_array_equal(a.cell_seq, b.cell_seq)
-            assert a._used_top == b._used_top
+            assert_same(a, x, b, b.prepare_one(s, p))
     assert n_full > 0  # the full-cache branch was exercised
 
 
-@pytest.mark.skipif(not hasattr(native, "kv_prepare_run"), reason="native module predates kv_prepare_run")
 def test_prepare_run_matches_prepare():
     """prepare_run (a verify batch: n consecutive positions of one sequence, native) equals
     prepare() on the same batch, including runs that overlap stored positions and a full cache."""
@@ -70,12 +72,5 @@ def test_prepare_run_matches_prepare():
                 np.testing.assert_array_equal(a.cell_pos, b.cell_pos)  # nothing written
                 n_full += 1
                 continue
-            y = b.prepare_run(s, p0, n)
-            assert x.n_kv == y.n_kv
-            np.testing.assert_array_equal(x.idx, y.idx)
-            np.testing.assert_array_equal(x.mask, y.mask)
-            np.testing.assert_array_equal(x.order, y.order)
-            np.testing.assert_array_equal(a.cell_pos, b.cell_pos)
-            np.testing.assert_array_equal(a.cell_seq, b.cell_seq)
-            assert a._used_top == b._used_top
+            assert_same(a, x, b, b.prepare_run(s, p0, n))
     assert n_full > 0 and n_overlap > 0

@@ -51,6 +51,19 @@ __attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* a, const fl
 
 // dot_avx2 of each of the NT query rows q + r * D (D % 8 == 0) with b, into s[r]: the same
 // per-lane FMA sequence and the same reduction tree per row, done for the rows together.
+// s[r] = the sum of acc[r]'s 8 lanes in dot_avx2's order: x = (t0 + t4, t1 + t5, t2 + t6, t3 + t7),
+// then ((x0 + x1) + (x2 + x3)) by two hadds, four rows at a time.
+template <int NT>
+__attribute__((target("avx2,fma,f16c"))) inline void row_sums_avx2(const __m256* acc, float* s) {
+  __m128 x[(NT + 3) & ~3];
+  for (int r = 0; r < NT; ++r) x[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+  for (int r = NT; r < ((NT + 3) & ~3); ++r) x[r] = _mm_setzero_ps();
+  alignas(16) float t[(NT + 3) & ~3];
+  for (int r = 0; r < NT; r += 4)
+    _mm_store_ps(t + r, _mm_hadd_ps(_mm_hadd_ps(x[r], x[r + 1]), _mm_hadd_ps(x[r + 2], x[r + 3])));
+  for (int r = 0; r < NT; ++r) s[r] = t[r];
+}
+
 template <int NT>
 __attribute__((target("avx2,fma,f16c"))) inline void dots_avx2(const float* q, const float* b, int64_t D, float* s) {
   __m256 acc[NT];
@@ -59,14 +72,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void dots_avx2(const float* q, c
     const __m256 bv = _mm256_loadu_ps(b + i);
     for (int r = 0; r < NT; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), bv, acc[r]);
   }
-  // per row: x = (t0 + t4, t1 + t5, t2 + t6, t3 + t7); then ((x0 + x1) + (x2 + x3)) by two hadds
-  __m128 x[(NT + 3) & ~3];
-  for (int r = 0; r < NT; ++r) x[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-  for (int r = NT; r < ((NT + 3) & ~3); ++r) x[r] = _mm_setzero_ps();
-  alignas(16) float t[(NT + 3) & ~3];
-  for (int r = 0; r < NT; r += 4)
-    _mm_store_ps(t + r, _mm_hadd_ps(_mm_hadd_ps(x[r], x[r + 1]), _mm_hadd_ps(x[r + 2], x[r + 3])));
-  for (int r = 0; r < NT; ++r) s[r] = t[r];
+  row_sums_avx2<NT>(acc, s);
 }
 
 // The scores of a block of nc cells with F16 K rows (kp[c]) for NT query rows, into s[c * kTile
@@ -83,13 +89,7 @@ __attribute__((target("avx2,fma,f16c"))) void block_scores_f16(const float* q, c
       const __m256 bv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i)));
       for (int r = 0; r < NT; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), bv, acc[r]);
     }
-    __m128 x[(NT + 3) & ~3];
-    for (int r = 0; r < NT; ++r) x[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    for (int r = NT; r < ((NT + 3) & ~3); ++r) x[r] = _mm_setzero_ps();
-    alignas(16) float t[(NT + 3) & ~3];
-    for (int r = 0; r < NT; r += 4)
-      _mm_store_ps(t + r, _mm_hadd_ps(_mm_hadd_ps(x[r], x[r + 1]), _mm_hadd_ps(x[r + 2], x[r + 3])));
-    for (int r = 0; r < NT; ++r) s[c * kTile + r] = t[r];
+    row_sums_avx2<NT>(acc, s + c * kTile);
   }
 }
 
