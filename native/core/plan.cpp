@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <cstring>
@@ -68,6 +70,41 @@ class ArenaAllocator {
   std::map<size_t, size_t> free_;
   size_t top_ = 0;
 };
+
+// Op profile (environment variable PYFAST_PROFILE=1): the time each op's kernel shares took,
+// summed over threads, and the time threads waited for each other between groups; printed to
+// stderr when the process exits. Off, it costs one predictable branch per share.
+struct OpProfile {
+  bool on = false;
+  std::atomic<uint64_t> ns[(int)Op::count + 1] = {}, calls[(int)Op::count + 1] = {};
+  OpProfile() {
+    const char* e = std::getenv("PYFAST_PROFILE");
+    on = e && *e && std::strcmp(e, "0") != 0;
+  }
+  ~OpProfile() {
+    if (!on) return;
+    uint64_t total = 0;
+    for (int i = 0; i <= (int)Op::count; ++i) total += ns[i].load();
+    if (!total) return;
+    std::fprintf(stderr, "pyfast profile (thread time, all plans):\n%-16s %10s %12s %10s %7s\n", "op", "shares",
+                 "ms", "us/share", "share");
+    for (int i = 0; i <= (int)Op::count; ++i) {
+      const uint64_t t = ns[i].load(), c = calls[i].load();
+      if (!c) continue;
+      std::fprintf(stderr, "%-16s %10llu %12.1f %10.2f %6.1f%%\n", i == (int)Op::count ? "(wait)" : op_name((Op)i),
+                   (unsigned long long)c, t / 1e6, t / 1e3 / (double)c, 100.0 * (double)t / (double)total);
+    }
+  }
+  static uint64_t now() {
+    return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  void add(int op, uint64_t t) {
+    ns[op].fetch_add(t, std::memory_order_relaxed);
+    calls[op].fetch_add(1, std::memory_order_relaxed);
+  }
+};
+OpProfile g_profile;
 
 }  // namespace
 
@@ -308,6 +345,7 @@ void Plan::run() {
       p.ith = s;
       p.wdata = work_ + sc.wofs[k];
       p.wsize = work_size_ - sc.wofs[k];
+      const uint64_t t0 = g_profile.on ? OpProfile::now() : 0;
       try {
         switch (nd.op) {
 #define X(name, n_src, is_view) case Op::name: if (!is_view) cpu_##name(p, nd, srcs); break;
@@ -320,6 +358,7 @@ void Plan::run() {
         if (!err) err = std::current_exception();
         if (k < fail_at.load()) fail_at.store(k);
       }
+      if (g_profile.on) g_profile.add((int)nd.op, OpProfile::now() - t0);
       p.ith = ith;
     };
     for (size_t k0 = 0; k0 < n_exec;) {
@@ -350,7 +389,13 @@ void Plan::run() {
             finished();
           }
         }
-        pool_->wait_until(done, target);
+        if (g_profile.on) {
+          const uint64_t t0 = OpProfile::now();
+          pool_->wait_until(done, target);
+          g_profile.add((int)Op::count, OpProfile::now() - t0);
+        } else {
+          pool_->wait_until(done, target);
+        }
       }
       if (fail_at.load() < k1) break;
       k0 = k1;

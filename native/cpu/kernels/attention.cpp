@@ -5,11 +5,25 @@
 // on the cells it may see and their order - not on the batch, the padding of n_kv, or how
 // cells of other sequences are interleaved. Query rows of one KV head are processed in
 // tiles that share each K/V row conversion, with exactly the per-row arithmetic of a tile of 1.
+//
+// Two definitions of a row's arithmetic, chosen by ISA and head sizes alone (never by the batch):
+// - scalar / AVX2: cell by cell, online softmax rescaled whenever a cell raises the maximum;
+// - AVX-512 (D % 16 == 0, Dv = 16..128): blocks of 16 of the row's visible cells, counted along
+//   the walk (so a block holds the same cells whatever else is in the cache); per block the 16
+//   scores (each a fixed FMA chain over D, then a fixed lane tree), one rescale to the block's
+//   maximum, the 16 weights as one exp, and the V rows accumulated in walk order. The rows of a
+//   tile whose visible cells are prefixes of one list share every K/V conversion and work as a
+//   small matrix product (scores of a row for 16 cells at once, V rows loaded once for 6 rows).
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #if defined(__x86_64__)
+// GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* temporaries.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #endif
 
@@ -194,6 +208,156 @@ __attribute__((target("avx2,fma,f16c"))) void f16_to_f32_avx2(const uint16_t* s,
 }
 #endif
 
+#if defined(__x86_64__)
+#define PF_A512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+
+constexpr int kBlk = 16;  // visible cells per block (AVX-512 path)
+
+// Lane c of the result = the sum of the 16 lanes of a[c], by a fixed tree: pairs of lanes within
+// each 128-bit quarter, then the quarters.
+PF_A512 inline __m512 lane_sums16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // c[i], quarter k: the quarter-k partial sums of a[4i .. 4i+3]
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores of one (scaled) query row with the 16 K rows kf[c * D] (f32): per cell the products of
+// the 16-float slices summed lane-wise in order over D, then lane_sums16.
+template <int ND>
+PF_A512 inline __m512 scores16(const float* q, const float* kf) {
+  constexpr int D = ND * 16;
+  __m512 a[kBlk];
+  if constexpr (ND <= 8) {
+    __m512 qv[ND];
+    for (int i = 0; i < ND; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+    for (int c = 0; c < kBlk; ++c) {
+      a[c] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kf + c * D));
+      for (int i = 1; i < ND; ++i) a[c] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kf + c * D + 16 * i), a[c]);
+    }
+  } else {
+    for (int c = 0; c < kBlk; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kf + c * D));
+    for (int i = 1; i < ND; ++i) {
+      const __m512 qi = _mm512_loadu_ps(q + 16 * i);
+      for (int c = 0; c < kBlk; ++c) a[c] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(kf + c * D + 16 * i), a[c]);
+    }
+  }
+  return lane_sums16(a);
+}
+
+PF_A512 inline __m512 scores16_any(const float* q, const float* kf, int64_t D) {
+  switch (D / 16) {
+    case 1: return scores16<1>(q, kf);
+    case 2: return scores16<2>(q, kf);
+    case 3: return scores16<3>(q, kf);
+    case 4: return scores16<4>(q, kf);
+    case 5: return scores16<5>(q, kf);
+    case 6: return scores16<6>(q, kf);
+    case 7: return scores16<7>(q, kf);
+    case 8: return scores16<8>(q, kf);
+    case 12: return scores16<12>(q, kf);
+    default: return scores16<16>(q, kf);
+  }
+}
+
+// acc[r] = acc[r] * corr[r] + sum over cells c < nc (in order) of p[r][c] * V row c, for R rows
+// (accumulators in registers; each V row is loaded once for all of them).
+template <int NV, int R>
+PF_A512 inline void pv_rows(float* const* acc, const float* const* p, const float* corr, const float* vf, int nc) {
+  constexpr int Dv = NV * 16;
+  __m512 a[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const __m512 cr = _mm512_set1_ps(corr[r]);
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + 16 * i), cr);
+  }
+  for (int c = 0; c < nc; ++c) {
+    __m512 v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(vf + c * Dv + 16 * i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r][c]);
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(w, v[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[r] + 16 * i, a[r][i]);
+}
+
+template <int NV>
+PF_A512 void pv_all(float* const* acc, const float* const* p, const float* corr, const float* vf, int nc, int n) {
+  constexpr int RM = NV <= 2 ? 8 : NV == 4 ? 6 : 2;
+  int r = 0;
+  for (; r + RM <= n; r += RM) pv_rows<NV, RM>(acc + r, p + r, corr + r, vf, nc);
+  for (; r < n; ++r) pv_rows<NV, 1>(acc + r, p + r, corr + r, vf, nc);
+}
+
+PF_A512 inline void widen_row(const Node* t, const uint8_t* src, float* dst, int64_t n) {
+  if (t->dtype == DType::F32) {
+    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(reinterpret_cast<const float*>(src) + i));
+  } else {
+    for (int64_t i = 0; i < n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i))));
+  }
+}
+
+// One group of query rows (of KV head hk) whose visible cells are the first len[r] entries of
+// the walk list U[0..nU): the blocked AVX-512 arithmetic described at the top of the file.
+// q: the rows' scaled queries [n][D]; acc [n][Dv], m, l: the rows' state (started at 0, -inf, 0).
+PF_A512 void attend_group_avx512(const Node* K, const Node* V, int64_t hk, const int32_t* U, int64_t nU, int n,
+                                 const float* q, const int64_t* len, const float* const* mrow, bool soft, int64_t D,
+                                 int64_t Dv, float* kf, float* vf, float* pbuf, float* acc, float* m, float* l) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t b0 = 0; b0 < nU; b0 += kBlk) {
+    const int nc = (int)std::min<int64_t>(kBlk, nU - b0);
+    for (int c = 0; c < nc; ++c) {
+      const int64_t j = U[b0 + c];
+      widen_row(K, K->data + j * K->shape.strides[0] + hk * K->shape.strides[1], kf + c * D, D);
+      widen_row(V, V->data + j * V->shape.strides[0] + hk * V->shape.strides[1], vf + c * Dv, Dv);
+    }
+    for (int c = nc; c < kBlk; ++c) std::memset(kf + c * D, 0, (size_t)D * 4);
+    float* accp[kTile];
+    const float* pp[kTile];
+    float corr[kTile];
+    int na = 0;
+    for (int r = 0; r < n; ++r) {
+      if (len[r] <= b0) continue;  // no visible cell left: no update at all
+      const int nv = (int)std::min<int64_t>(kBlk, len[r] - b0);
+      const __mmask16 vis = (__mmask16)((1u << nv) - 1u);
+      __m512 s = scores16_any(q + r * D, kf, D);
+      if (soft) {
+        alignas(64) float mk[kBlk] = {};
+        for (int c = 0; c < nv; ++c) mk[c] = mrow[r][U[b0 + c]];
+        s = _mm512_add_ps(s, _mm512_load_ps(mk));
+      }
+      s = _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, s);
+      const float mn = std::max(m[r], _mm512_reduce_max_ps(s));
+      const __m512 w = exp_f32x16(_mm512_sub_ps(s, _mm512_set1_ps(mn)));
+      const float cr = m[r] == mn ? 1.0f : exp_f32(m[r] - mn);  // exp_f32(0) is 1; 0 on the first block
+      l[r] = std::fma(l[r], cr, _mm512_reduce_add_ps(w));
+      m[r] = mn;
+      _mm512_storeu_ps(pbuf + r * kBlk, w);
+      accp[na] = acc + r * Dv;
+      pp[na] = pbuf + r * kBlk;
+      corr[na++] = cr;
+    }
+    switch (Dv / 16) {
+      case 1: pv_all<1>(accp, pp, corr, vf, nc, na); break;
+      case 2: pv_all<2>(accp, pp, corr, vf, nc, na); break;
+      case 4: pv_all<4>(accp, pp, corr, vf, nc, na); break;
+      default: pv_all<8>(accp, pp, corr, vf, nc, na); break;
+    }
+  }
+}
+#endif
+
 struct Kern {
   float (*dot)(const float*, const float*, int64_t);
   void (*axpy)(float*, float, const float*, float, int64_t);
@@ -215,15 +379,16 @@ inline void load_row(const Node* t, const uint8_t* p, float* out, int64_t n, boo
 namespace {
 // Floats of one thread's scratch: kCells K rows, kCells V rows, kTile accumulators, kTile query
 // copies, the [kCells][kTile] scores and kCells mask values of a block.
-inline size_t per_thread_floats(int64_t D, int64_t Dv) {
-  return (size_t)(kCells * (D + Dv) + kTile * Dv + kTile * D + kCells * kTile + kCells + 64);
+// The AVX-512 path also keeps the walk list of a tile (n_kv int32) and kTile x 16 weights.
+inline size_t per_thread_floats(int64_t D, int64_t Dv, int64_t n_kv) {
+  return (size_t)(kCells * (D + Dv) + kTile * Dv + kTile * D + kCells * kTile + kCells + 64 + n_kv + kTile * 16 + 16);
 }
 }  // namespace
 
 size_t cpu_attention_work_size(const Node& dst, const Node* const* src, int nth) {
   (void)dst;
   const int64_t D = src[0]->shape.dims[2], Dv = src[2]->shape.dims[2];
-  return (size_t)nth * per_thread_floats(D, Dv) * sizeof(float);
+  return (size_t)nth * per_thread_floats(D, Dv, src[1]->shape.dims[0]) * sizeof(float);
 }
 
 void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
@@ -242,14 +407,15 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   if (p.isa != CpuIsa::scalar) kern = Kern{dot_avx2, axpy_scale_avx2, true};
 #endif
 
-  float* w = reinterpret_cast<float*>(p.wdata) + (size_t)p.ith * per_thread_floats(D, Dv);
+  float* w = reinterpret_cast<float*>(p.wdata) + (size_t)p.ith * per_thread_floats(D, Dv, n_kv);
   float* krow = w;                      // [kCells][D]
   float* vrow = krow + kCells * D;      // [kCells][Dv]
   float* acc = vrow + kCells * Dv;      // [kTile][Dv]
   float* qbuf = acc + kTile * Dv;       // [kTile][D]
   float* sbuf = qbuf + kTile * D;       // [kCells][kTile]
   float* mkb = sbuf + kCells * kTile;   // [kCells]
-  (void)mkb;
+  float* pbuf = mkb + kCells + 64;      // [kTile][16] (AVX-512 path)
+  int32_t* ulist = reinterpret_cast<int32_t*>(pbuf + kTile * 16 + 16);  // [n_kv] (AVX-512 path)
 
   // Work items: (kv head, tile of query rows); query rows are (token, head in group). Tiles are
   // smaller than kTile when that is needed for at least 3 items per thread (a short batch has
@@ -267,11 +433,21 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   // cells, the K / V rows are converted once, the tile's scores computed together (dots_avx2),
   // then each row runs its updates over the block with its accumulator in registers. Per row
   // and cell the arithmetic and its order are those of the cell-by-cell loop below.
-  const bool blocked = kern.avx2 && D % 8 == 0 && (Dv == 32 || Dv == 64 || Dv == 128);
+  // AVX-512 path: see the top of the file (its own arithmetic, so it is chosen by ISA and
+  // shapes only).
+  const bool a512 = p.isa == CpuIsa::avx512 && D % 16 == 0 && D <= 256 && (D / 16 <= 8 || D / 16 == 12 || D / 16 == 16) &&
+                    (Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128) &&
+                    (K->dtype == DType::F16 || K->dtype == DType::F32) && (V->dtype == DType::F16 || V->dtype == DType::F32);
+  const bool blocked = !a512 && kern.avx2 && D % 8 == 0 && (Dv == 32 || Dv == 64 || Dv == 128);
 
+  int64_t walk_tile = -1, walk_n = 0;  // AVX-512 path: the last tile's walk list (when one group)
+  bool walk_soft = false, walk_compat = false;
+  int64_t ulen[kTile] = {};
   for (int64_t item = it0; item < it1; ++item) {
-    const int64_t hk = item / tiles_per_head;
-    const int64_t r0 = (item % tiles_per_head) * tile;
+    // tile-major: a thread's consecutive items are often one tile of several heads (same tokens)
+    const int64_t hk = item % Hkv;
+    const int64_t ti = item / Hkv;
+    const int64_t r0 = ti * tile;
     const int nt = (int)std::min<int64_t>(tile, rows_per_head - r0);
     int64_t tok[kTile], hq[kTile];
     float m[kTile], l[kTile];
@@ -287,6 +463,59 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       mrow[r] = reinterpret_cast<const float*>(M->data + tok[r] * M->shape.strides[0]);
     }
 #if defined(__x86_64__)
+    if (a512) {
+      // The tile's walk list: cells visible to any of its rows, in walk order. Rows of one token
+      // share a mask row; when every token sees a prefix of the list, all rows form one group.
+      int nu = 0;
+      int64_t utok[kTile], len[kTile];
+      int ubeg[kTile + 1];
+      for (int r = 0; r < nt; ++r)
+        if (nu == 0 || tok[r] != utok[nu - 1]) { ubeg[nu] = r; utok[nu++] = tok[r]; }
+      ubeg[nu] = nt;
+      auto walk = [&](int u0, int u1, bool& soft) -> std::pair<int64_t, bool> {
+        int64_t nU = 0;
+        bool compat = true;
+        for (int u = u0; u < u1; ++u) ulen[u] = 0;
+        for (int64_t jj = 0; jj < n_kv; ++jj) {
+          const int64_t j = O ? *reinterpret_cast<const int32_t*>(O->data + jj * O->shape.strides[0]) : jj;
+          if (j < 0 || j >= n_kv) continue;
+          bool any = false;
+          for (int u = u0; u < u1; ++u) {
+            const float mv = mrow[ubeg[u]][j];
+            if (mv == ninf) continue;
+            any = true;
+            compat &= ulen[u] == nU;  // u saw every earlier entry
+            ++ulen[u];
+            soft |= mv != 0.0f;
+          }
+          if (any) ulist[nU++] = (int32_t)j;
+        }
+        return {nU, compat};
+      };
+      if (ti != walk_tile) {  // the same tile of another head has the same walk
+        walk_soft = false;
+        auto [n_, c_] = walk(0, nu, walk_soft);
+        walk_n = n_;
+        walk_compat = c_;
+        walk_tile = c_ ? ti : -1;
+      }
+      const bool soft = walk_soft, compat = walk_compat;
+      const int64_t nU = walk_n;
+      for (int u = 0; u < nu && compat; ++u)
+        for (int r = ubeg[u]; r < ubeg[u + 1]; ++r) len[r] = ulen[u];
+      if (compat) {
+        attend_group_avx512(K, V, hk, ulist, nU, nt, qbuf, len, mrow, soft, D, Dv, krow, vrow, pbuf, acc, m, l);
+      } else {
+        for (int u = 0; u < nu; ++u) {  // one token at a time, each with its own list
+          bool soft_u = false;
+          const int64_t nUu = walk(u, u + 1, soft_u).first;
+          const int ra = ubeg[u], rb = ubeg[u + 1];
+          for (int r = ra; r < rb; ++r) len[r] = nUu;
+          attend_group_avx512(K, V, hk, ulist, nUu, rb - ra, qbuf + ra * D, len + ra, mrow + ra, soft_u, D, Dv, krow,
+                              vrow, pbuf + ra * 16, acc + ra * Dv, m + ra, l + ra);
+        }
+      }
+    }
     if (blocked) {
       int64_t cj[kCells];
       const uint16_t* kp[kCells];
@@ -326,7 +555,7 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       }
     }
 #endif
-    for (int64_t jj = 0; jj < n_kv && !blocked; ++jj) {
+    for (int64_t jj = 0; jj < n_kv && !blocked && !a512; ++jj) {
       const int64_t j = O ? *reinterpret_cast<const int32_t*>(O->data + jj * O->shape.strides[0]) : jj;
       if (j < 0 || j >= n_kv) continue;
       bool any = false;
