@@ -3,6 +3,10 @@
 // with its sign and top payload bits (the same results as the F16C instructions).
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "pyfast/cpu.h"
 
 namespace pyfast {
@@ -73,6 +77,25 @@ uint16_t fp32_to_bf16(float f) {
   const uint32_t u = f2u(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);  // quiet NaN
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// A row of fp32_to_fp16: F16C where the ISA has it (vcvtps2ph with round-to-nearest-even gives
+// the same bits, subnormals and NaN payloads included), else the scalar conversion.
+#if defined(__x86_64__)
+__attribute__((target("avx2,f16c"))) static void f32_to_f16_row_f16c(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
+}
+#endif
+
+void fp32_to_fp16_row(const float* src, uint16_t* dst, int64_t n) {
+#if defined(__x86_64__)
+  if (cpu_isa() == CpuIsa::avx2 || cpu_isa() == CpuIsa::avx512) return f32_to_f16_row_f16c(src, dst, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
 }
 
 }  // namespace pyfast

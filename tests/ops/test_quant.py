@@ -53,6 +53,35 @@ def _edge_rows(n_blocks: int = 16) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
+def _f16_edge_values() -> np.ndarray:
+    """Every fp16 value and every midpoint between neighbours (ties round to even), values just
+    either side of the midpoints, the subnormal range, overflow, infinities and NaNs."""
+    h = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)  # finite >= 0
+    mid = ((h[:-1].astype(np.float64) + h[1:]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))])
+    big = np.array([65504.0, 65519.99, 65520.0, 1e5, 3e38, np.inf], np.float32)
+    tiny = np.array([2.0 ** -25, 2.0 ** -25 * 1.0001, 2.0 ** -26, 1e-30, 0.0], np.float32)
+    x = np.concatenate([h, mid, near, big, tiny])
+    x = np.concatenate([x, -x, np.array([np.nan, -np.nan], np.float32)])
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_f16_rows_round_like_numpy(isa):
+    """KV-cache rows go to fp16 through row_from_f32 (F16C on x86, the scalar code elsewhere):
+    round-to-nearest-even bit for bit, like numpy, for every ISA."""
+    x = _f16_edge_values()
+    with using_isa(isa):
+        got = np.asarray(N.row_from_f32(F16, x)).view(np.uint16).reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    with np.errstate(invalid="ignore"):
+        assert np.all(np.isnan(got[nan].view(np.float16)))
+    assert np.array_equal(got[nan] & 0x8000, want[nan] & 0x8000)
+
+
 @pytest.mark.parametrize("dt", REF_QTYPES, ids=dname)
 def test_row_codecs_match_gguf(dt):
     x = _edge_rows()

@@ -293,6 +293,7 @@ void row_to_f32(DType t, const void* src, float* dst, int64_t n) {
 }
 
 void row_from_f32(DType t, const float* src, void* dst, int64_t n) {
+  if (t == DType::F16) return fp32_to_fp16_row(src, static_cast<uint16_t*>(dst), n);  // KV cache rows
   if (!quant_supported(t)) unsupported("row_from_f32", t);
   quantize_row_ref(t, src, dst, n);
 }

@@ -70,6 +70,7 @@ inline void split_range(int64_t n, int ith, int nth, int64_t& b, int64_t& e) {
 // fp16 / bf16 conversion (scalar; SIMD paths live in the kernels).
 float fp16_to_fp32(uint16_t h);
 uint16_t fp32_to_fp16(float f);
+void fp32_to_fp16_row(const float* src, uint16_t* dst, int64_t n);  // F16C when the ISA has it
 inline float bf16_to_fp32(uint16_t h) {
   union { uint32_t u; float f; } v;
   v.u = (uint32_t)h << 16;
