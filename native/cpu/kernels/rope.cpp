@@ -21,7 +21,7 @@ struct RopeTable {
   std::vector<uint8_t> have;  // [pos]
 };
 
-constexpr int64_t kMaxCachedPos = 1 << 20;
+constexpr int64_t kMaxCachedPos = 1 << 16;  // positions past this are computed each time
 
 void rope_angles(float pv, float base, float fscale, int n_dims, float* cs, float* sn) {
   const int half = n_dims / 2;
