@@ -76,11 +76,12 @@ def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.nd
         return ext[: n_hist + i] if pen else ext
 
     if params.greedy:
-        if not pen:
-            am = rows.argmax(axis=1)
-            mism = np.flatnonzero(am[:n] != draft)
-            k = int(mism[0]) if mism.size else n
-            return VerifyResult(draft[:k].tolist() + [int(am[k])], k, RECOVERED if k < n else BONUS)
+        if not pen:  # row by row: the rows after the first mismatch are never scanned
+            for i in range(n):
+                t = int(rows[i].argmax())
+                if t != draft[i]:
+                    return VerifyResult(draft[:i].tolist() + [t], i, RECOVERED)
+            return VerifyResult(draft.tolist() + [int(rows[n].argmax())], n, BONUS)
         return _verify_by_sampling(rows, draft, sampler, hist)
     if draft_probs is None or n == 0:
         return _verify_by_sampling(rows, draft, sampler, hist)
