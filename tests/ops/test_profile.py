@@ -1,0 +1,60 @@
+"""PYFAST_PROFILE=1: the per-op kernel-time table printed at exit counts every share of every
+kernel exactly once (nth shares per node per run) and names the ops that ran."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np
+    from pyfast._loader import native as N
+    F32 = N.DType.F32
+    g = N.Graph()
+    x = g.input("x", F32, [7, 64])
+    w = g.input("w", F32, [33, 64])
+    y = g.add(g.matmul(x, w), g.scale(g.matmul(x, w), 0.5))
+    g.output(g.silu(y), "y")
+    p = N.Plan(g, N.ThreadPool({nth}))
+    p.set_input("x", np.ones((7, 64), np.float32))
+    p.set_input("w", np.ones((33, 64), np.float32))
+    for _ in range({runs}):
+        p.run()
+    print("ok", float(p.output("y")[0, 0]))
+""")
+
+
+def _profile(nth: int, runs: int, env_value: str = "1") -> tuple[str, str]:
+    env = dict(os.environ, PYFAST_PROFILE=env_value)
+    r = subprocess.run([sys.executable, "-c", SCRIPT.format(nth=nth, runs=runs)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout, r.stderr
+
+
+def _table(stderr: str) -> dict[str, int]:
+    rows = {}
+    for line in stderr.splitlines():
+        m = re.match(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)%$", line)
+        if m:
+            rows[m.group(1)] = int(m.group(2))
+    return rows
+
+
+def test_profile_counts_every_share_once():
+    for nth in (1, 3):
+        out, err = _profile(nth, runs=5)
+        assert out.startswith("ok")
+        rows = _table(err)
+        # two matmuls, one scale, one add, one silu per run; nth shares each
+        assert rows.get("matmul") == 2 * 5 * nth, err
+        assert rows.get("add") == 5 * nth and rows.get("scale") == 5 * nth and rows.get("silu") == 5 * nth, err
+        assert ("(wait)" in rows) == (nth > 1), err
+
+
+def test_profile_off_prints_nothing():
+    out, err = _profile(2, runs=3, env_value="0")
+    assert out.startswith("ok")
+    assert "pyfast profile" not in err
