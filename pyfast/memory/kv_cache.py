@@ -79,9 +79,11 @@ class KVCache:
 
     def truncate(self, seq: int, p: int) -> None:
         """Remove positions >= p of sequence `seq`."""
-        sel = (self.cell_seq == seq) & (self.cell_pos >= p)
-        self.cell_pos[sel] = -1
-        self.cell_seq[sel] = -1
+        top = self._used_top  # cells past it are free
+        cs, cp = self.cell_seq[:top], self.cell_pos[:top]
+        sel = (cs == seq) & (cp >= p)
+        cp[sel] = -1
+        cs[sel] = -1
         self._shrink()
 
     def remove_seq(self, seq: int) -> None:
@@ -126,10 +128,13 @@ class KVCache:
         vr[:, idx] = rows.v
         self.cell_pos[idx] = rows.pos
         self.cell_seq[idx] = seq
+        if n:
+            self._used_top = max(self._used_top, int(idx[-1]) + 1)
         self._shrink()
 
     def _shrink(self) -> None:
-        used = np.flatnonzero(self.cell_pos >= 0)
+        """Lower _used_top past freed cells (every cell from it on is free)."""
+        used = np.flatnonzero(self.cell_pos[: self._used_top] >= 0)
         self._used_top = int(used[-1]) + 1 if used.size else 0
 
     # --- per-batch inputs ------------------------------------------------------------------

@@ -130,13 +130,27 @@ class AdaptiveController:
         if cap <= 0:
             return 0
         cap = min(cap, self.n_max)
-        a = self.estimate(state, key)[:cap]
-        gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(a))])   # E(0..cap)
-        cost = self.cost(n_rows + np.arange(cap + 1))
-        n = int(np.argmax((gain + (n_rows - 1)) / cost))
-        if n == 0:  # held back: forget slowly, so the proposer is probed again later
-            self._state(state, key)[:] *= self.skip_decay
-        return n
+        # estimate() for the first cap positions, then E(N) = 1 + sum_{j<=N} prod_{i<=j} a_i and
+        # the best (E(N) + n_rows - 1) / c(n_rows + N), first maximum on ties: plain floats (a
+        # round runs this once per sequence; numpy calls on 17 numbers cost more than the math)
+        st = self._state(state, key)
+        hit, seen = st[0, :cap].tolist(), st[1, :cap].tolist()
+        g = self._global(key)
+        prev = (float(g[0, 0]) + 2.0 * self.priors.get(key, self.prior)) / (float(g[1, 0]) + 2.0)
+        cost = self.cost(n_rows + np.arange(cap + 1)).tolist()
+        extra = float(n_rows - 1)
+        best_n, best = 0, (1.0 + extra) / cost[0]
+        ps, prod, cum = self.pseudo, 1.0, 0.0
+        for i in range(cap):
+            prev = (hit[i] + ps * prev) / (seen[i] + ps)
+            prod *= prev
+            cum += prod
+            v = (1.0 + cum + extra) / cost[i + 1]
+            if v > best:
+                best_n, best = i + 1, v
+        if best_n == 0:  # held back: forget slowly, so the proposer is probed again later
+            st[:] *= self.skip_decay
+        return best_n
 
     def update(self, state: dict, key: str, n_drafted: int, n_accepted: int) -> None:
         if n_drafted <= 0:

@@ -102,3 +102,23 @@ def test_calibration_is_monotone_and_bounded():
     assert np.all(c[1:] <= np.arange(1, 11) * c[1] + 1e-12)
     assert max(calls) == 10
     assert float(cm(15)) >= float(cm(10))
+
+
+def test_choose_is_the_argmax_of_expected_tokens_per_second():
+    """choose() against the definition computed from estimate() with numpy: E(N) = 1 + sum of the
+    cumulative products of the per-position acceptance, divided by c(n_rows + N), first maximum."""
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        cm = CostModel(ctx=None, t_max=24)
+        c = np.cumsum(rng.uniform(0.05, 1.0, 25))
+        cm.cost = np.maximum.accumulate(np.concatenate([[c[1]], c[1:]]))
+        ad = AdaptiveController(cm, n_max=16, priors={"p:x": float(rng.uniform(0.1, 0.95))})
+        st: dict = {}
+        for _ in range(int(rng.integers(0, 12))):
+            d = int(rng.integers(1, 17))
+            ad.update(st, "p:x", d, int(rng.integers(0, d + 1)))
+        cap, n_rows = int(rng.integers(1, 17)), int(rng.integers(1, 4))
+        a = ad.estimate(st, "p:x")[:cap]
+        gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(a))])
+        want = int(np.argmax((gain + (n_rows - 1)) / cm(n_rows + np.arange(cap + 1))))
+        assert ad.choose(st, "p:x", cap, n_rows) == want, trial

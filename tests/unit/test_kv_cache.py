@@ -74,3 +74,35 @@ def test_prepare_run_matches_prepare():
                 continue
             assert_same(a, x, b, b.prepare_run(s, p0, n))
     assert n_full > 0 and n_overlap > 0
+
+
+def test_used_top_is_one_past_the_last_used_cell():
+    """Every bookkeeping change (prepare, truncate, save / restore, remove) keeps _used_top equal
+    to one past the highest used cell; truncate and _shrink only look below it."""
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        n_ctx = int(rng.integers(4, 300))
+        c = KVCache(2, n_ctx, 1, 8, native.DType.F32)
+        saved = {}
+        for step in range(int(rng.integers(1, 30))):
+            r = rng.random()
+            s = int(rng.integers(0, 3))
+            try:
+                if r < 0.45:
+                    p0 = c.seq_len(s)
+                    n = int(rng.integers(1, 9))
+                    c.prepare(np.full(n, s, np.int32), np.arange(p0, p0 + n, dtype=np.int32))
+                elif r < 0.65:
+                    c.truncate(s, int(rng.integers(0, 20)))
+                elif r < 0.8:
+                    saved[s] = c.save_seq(s)
+                elif r < 0.95 and saved:
+                    k = list(saved)[int(rng.integers(0, len(saved)))]
+                    c.restore_seq(int(rng.integers(0, 3)), saved[k])
+                else:
+                    c.remove_seq(s)
+            except KVCacheFull:
+                pass
+            used = np.flatnonzero(c.cell_pos >= 0)
+            assert c._used_top == (int(used[-1]) + 1 if used.size else 0), (trial, step)
+            assert np.all(c.cell_seq[c._used_top:] == -1)
