@@ -426,8 +426,27 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   tile = tile < 1 ? 1 : tile > kTile ? kTile : tile;
   const int64_t tiles_per_head = (rows_per_head + tile - 1) / tile;
   const int64_t n_items = Hkv * tiles_per_head;
-  int64_t it0, it1;
-  split_range(n_items, p.ith, p.nth, it0, it1);
+  // Items are head-major (item = head * tiles_per_head + tile) and the last tile of a head may be
+  // short, so the threads' contiguous ranges balance rows (+1 per item for its walk and K/V
+  // conversion) rather than item counts: e.g. a 1-row decode with 3 query heads per KV head has
+  // tiles of 2 and 1 rows.
+  int64_t it0 = 0, it1 = 0;
+  {
+    auto w = [&](int64_t item) { return std::min<int64_t>(tile, rows_per_head - (item % tiles_per_head) * tile) + 1; };
+    int64_t W = 0;
+    for (int64_t i = 0; i < n_items; ++i) W += w(i);
+    int64_t cum = 0;
+    bool started = false;
+    for (int64_t i = 0; i < n_items; ++i) {
+      const int64_t wi = w(i);
+      const int64_t owner = std::min<int64_t>(p.nth - 1, (2 * cum + wi) * p.nth / (2 * W));  // by midpoint
+      cum += wi;
+      if (owner == p.ith) {
+        if (!started) { it0 = i; started = true; }
+        it1 = i + 1;
+      }
+    }
+  }
   const float ninf = -std::numeric_limits<float>::infinity();
   // Blocked path (AVX2, D % 8 == 0, Dv = 32 / 64 / 128): per block of up to kCells visible
   // cells, the K / V rows are converted once, the tile's scores computed together (dots_avx2),
@@ -444,9 +463,8 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   bool walk_soft = false, walk_compat = false;
   int64_t ulen[kTile] = {};
   for (int64_t item = it0; item < it1; ++item) {
-    // tile-major: a thread's consecutive items are often one tile of several heads (same tokens)
-    const int64_t hk = item % Hkv;
-    const int64_t ti = item / Hkv;
+    const int64_t hk = item / tiles_per_head;
+    const int64_t ti = item % tiles_per_head;
     const int64_t r0 = ti * tile;
     const int nt = (int)std::min<int64_t>(tile, rows_per_head - r0);
     int64_t tok[kTile], hq[kTile];
@@ -492,7 +510,7 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
         }
         return {nU, compat};
       };
-      if (ti != walk_tile) {  // the same tile of another head has the same walk
+      if (ti != walk_tile) {  // the same tile of another head (one tile per head) has the same walk
         walk_soft = false;
         auto [n_, c_] = walk(0, nu, walk_soft);
         walk_n = n_;
