@@ -34,7 +34,8 @@ namespace pyfast {
 
 namespace {
 
-constexpr int kTile = 8;    // query rows per tile
+constexpr int kTile = 8;    // query rows per tile (scalar / AVX2)
+constexpr int kTileMax = 16;  // the same, AVX-512 path (all per-tile arrays are this long)
 constexpr int kCells = 32;  // KV cells per block (blocked path)
 
 // Dot product with a fixed 8-lane order; the AVX2 and scalar versions differ only in speed
@@ -323,9 +324,9 @@ PF_A512 void attend_group_avx512(const Node* K, const Node* V, int64_t hk, const
       widen_row(V, V->data + j * V->shape.strides[0] + hk * V->shape.strides[1], vf + c * Dv, Dv);
     }
     for (int c = nc; c < kBlk; ++c) std::memset(kf + c * D, 0, (size_t)D * 4);
-    float* accp[kTile];
-    const float* pp[kTile];
-    float corr[kTile];
+    float* accp[kTileMax];
+    const float* pp[kTileMax];
+    float corr[kTileMax];
     int na = 0;
     for (int r = 0; r < n; ++r) {
       if (len[r] <= b0) continue;  // no visible cell left: no update at all
@@ -377,11 +378,11 @@ inline void load_row(const Node* t, const uint8_t* p, float* out, int64_t n, boo
 }  // namespace
 
 namespace {
-// Floats of one thread's scratch: kCells K rows, kCells V rows, kTile accumulators, kTile query
+// Floats of one thread's scratch: kCells K rows, kCells V rows, kTileMax accumulators, kTileMax query
 // copies, the [kCells][kTile] scores and kCells mask values of a block.
-// The AVX-512 path also keeps the walk list of a tile (n_kv int32) and kTile x 16 weights.
+// The AVX-512 path also keeps the walk list of a tile (n_kv int32) and kTileMax x 16 weights.
 inline size_t per_thread_floats(int64_t D, int64_t Dv, int64_t n_kv) {
-  return (size_t)(kCells * (D + Dv) + kTile * Dv + kTile * D + kCells * kTile + kCells + 64 + n_kv + kTile * 16 + 16);
+  return (size_t)(kCells * (D + Dv) + kTileMax * Dv + kTileMax * D + kCells * kTile + kCells + 64 + n_kv + kTileMax * 16 + 16);
 }
 }  // namespace
 
@@ -410,20 +411,26 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   float* w = reinterpret_cast<float*>(p.wdata) + (size_t)p.ith * per_thread_floats(D, Dv, n_kv);
   float* krow = w;                      // [kCells][D]
   float* vrow = krow + kCells * D;      // [kCells][Dv]
-  float* acc = vrow + kCells * Dv;      // [kTile][Dv]
-  float* qbuf = acc + kTile * Dv;       // [kTile][D]
-  float* sbuf = qbuf + kTile * D;       // [kCells][kTile]
+  float* acc = vrow + kCells * Dv;      // [kTileMax][Dv]
+  float* qbuf = acc + kTileMax * Dv;    // [kTileMax][D]
+  float* sbuf = qbuf + kTileMax * D;    // [kCells][kTile]
   float* mkb = sbuf + kCells * kTile;   // [kCells]
-  float* pbuf = mkb + kCells + 64;      // [kTile][16] (AVX-512 path)
-  int32_t* ulist = reinterpret_cast<int32_t*>(pbuf + kTile * 16 + 16);  // [n_kv] (AVX-512 path)
+  float* pbuf = mkb + kCells + 64;      // [kTileMax][16] (AVX-512 path)
+  int32_t* ulist = reinterpret_cast<int32_t*>(pbuf + kTileMax * 16 + 16);  // [n_kv] (AVX-512 path)
 
+  // AVX-512 path: see the top of the file (its own arithmetic, so it is chosen by ISA and
+  // shapes only).
+  const bool a512 = p.isa == CpuIsa::avx512 && D % 16 == 0 && D <= 256 && (D / 16 <= 8 || D / 16 == 12 || D / 16 == 16) &&
+                    (Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128) &&
+                    (K->dtype == DType::F16 || K->dtype == DType::F32) && (V->dtype == DType::F16 || V->dtype == DType::F32);
   // Work items: (kv head, tile of query rows); query rows are (token, head in group). Tiles are
-  // smaller than kTile when that is needed for at least 3 items per thread (a short batch has
+  // smaller than kTile (kTileMax on the AVX-512 path) when that is needed for at least 3 items per thread (a short batch has
   // few rows per head); results do not depend on the tiling.
   const int64_t rows_per_head = T * group;
   const int64_t want = 3 * (int64_t)p.nth;
   int64_t tile = (rows_per_head * Hkv + want - 1) / want;
-  tile = tile < 1 ? 1 : tile > kTile ? kTile : tile;
+  const int64_t tile_cap = a512 ? kTileMax : kTile;
+  tile = tile < 1 ? 1 : tile > tile_cap ? tile_cap : tile;
   const int64_t tiles_per_head = (rows_per_head + tile - 1) / tile;
   const int64_t n_items = Hkv * tiles_per_head;
   // Items are head-major (item = head * tiles_per_head + tile) and the last tile of a head may be
@@ -452,24 +459,19 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   // cells, the K / V rows are converted once, the tile's scores computed together (dots_avx2),
   // then each row runs its updates over the block with its accumulator in registers. Per row
   // and cell the arithmetic and its order are those of the cell-by-cell loop below.
-  // AVX-512 path: see the top of the file (its own arithmetic, so it is chosen by ISA and
-  // shapes only).
-  const bool a512 = p.isa == CpuIsa::avx512 && D % 16 == 0 && D <= 256 && (D / 16 <= 8 || D / 16 == 12 || D / 16 == 16) &&
-                    (Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128) &&
-                    (K->dtype == DType::F16 || K->dtype == DType::F32) && (V->dtype == DType::F16 || V->dtype == DType::F32);
   const bool blocked = !a512 && kern.avx2 && D % 8 == 0 && (Dv == 32 || Dv == 64 || Dv == 128);
 
   int64_t walk_tile = -1, walk_n = 0;  // AVX-512 path: the last tile's walk list (when one group)
   bool walk_soft = false, walk_compat = false;
-  int64_t ulen[kTile] = {};
+  int64_t ulen[kTileMax] = {};
   for (int64_t item = it0; item < it1; ++item) {
     const int64_t hk = item / tiles_per_head;
     const int64_t ti = item % tiles_per_head;
     const int64_t r0 = ti * tile;
     const int nt = (int)std::min<int64_t>(tile, rows_per_head - r0);
-    int64_t tok[kTile], hq[kTile];
-    float m[kTile], l[kTile];
-    const float* mrow[kTile];
+    int64_t tok[kTileMax], hq[kTileMax];
+    float m[kTileMax], l[kTileMax];
+    const float* mrow[kTileMax];
     for (int r = 0; r < nt; ++r) {
       tok[r] = (r0 + r) / group;
       hq[r] = hk * group + (r0 + r) % group;
@@ -485,8 +487,8 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       // The tile's walk list: cells visible to any of its rows, in walk order. Rows of one token
       // share a mask row; when every token sees a prefix of the list, all rows form one group.
       int nu = 0;
-      int64_t utok[kTile], len[kTile];
-      int ubeg[kTile + 1];
+      int64_t utok[kTileMax], len[kTileMax];
+      int ubeg[kTileMax + 1];
       for (int r = 0; r < nt; ++r)
         if (nu == 0 || tok[r] != utok[nu - 1]) { ubeg[nu] = r; utok[nu++] = tok[r]; }
       ubeg[nu] = nt;
