@@ -109,6 +109,8 @@ OpProfile g_profile;
 }  // namespace
 
 bool cpu_matmul_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/matmul.cpp
+bool cpu_matmul_fusable(const Node& a, const Node* const* asrc, const Node& b, const Node* const* bsrc);
+void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* const* ws, int nw, const Node& x);
 
 namespace {
 
@@ -230,6 +232,35 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool)
       node_work.push_back(align_up(cpu_work_size(nd, srcs, nth)));
     }
   }
+  // Matmuls of one activation tensor that follow each other (q / k / v, gate / up) run as one
+  // kernel: the activation rows are quantized once and there is one barrier instead of one per
+  // matmul. Outputs are computed exactly as by separate matmuls. Nothing runs between them, so
+  // their outputs' arena blocks are free when the first one runs (their only live source is the
+  // shared activation tensor, which every one of them reads).
+  {
+    std::vector<int> ex;
+    std::vector<size_t> nw;
+    const Node* as[kMaxSrc];
+    const Node* bs[kMaxSrc];
+    for (size_t k = 0; k < exec_.size();) {
+      const Node& a = nodes[exec_[k]];
+      for (int s = 0; s < a.n_src; ++s) as[s] = &nodes[a.src[s]];
+      std::vector<int> run{exec_[k]};
+      size_t e = k + 1;
+      for (; e < exec_.size() && a.op == Op::matmul && run.size() < (size_t)kMaxMulti; ++e) {
+        const Node& b = nodes[exec_[e]];
+        for (int s = 0; s < b.n_src; ++s) bs[s] = &nodes[b.src[s]];
+        if (!cpu_matmul_fusable(a, as, b, bs)) break;
+        run.push_back(exec_[e]);
+      }
+      ex.push_back(exec_[k]);
+      nw.push_back(node_work[k]);
+      multi_.push_back(run.size() > 1 ? run : std::vector<int>{});
+      k = e;
+    }
+    exec_.swap(ex);
+    node_work.swap(nw);
+  }
   stats_.n_kernels = (int)exec_.size();
 
   // Groups: runs of consecutive nodes that may execute concurrently, so threads only wait for
@@ -256,12 +287,16 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool)
     const Node* srcs[kMaxSrc];
     for (int s = 0; s < nd.n_src; ++s) srcs[s] = &nodes[nd.src[s]];
     shareable[k] = nth > 1 && op_shareable(nd, srcs, nth);
-    const Range w = range(exec_[k]);
+    std::vector<int> members = multi_[k].empty() ? std::vector<int>{exec_[k]} : multi_[k];
     bool join = k > g0 && shareable[k] && shareable[g0];
-    for (size_t g = 0; join && g < wr.size(); ++g) join = !overlap(wr[g], w);
-    for (size_t g = 0; join && g < rd.size(); ++g) join = !overlap(rd[g], w);
-    for (int s = 0; join && s < nd.n_src; ++s)
-      for (size_t g = 0; join && g < wr.size(); ++g) join = !overlap(wr[g], range(nd.src[s]));
+    for (int id : members) {
+      const Range w = range(id);
+      for (size_t g = 0; join && g < wr.size(); ++g) join = !overlap(wr[g], w);
+      for (size_t g = 0; join && g < rd.size(); ++g) join = !overlap(rd[g], w);
+      const Node& mn = nodes[id];
+      for (int s = 0; join && s < mn.n_src; ++s)
+        for (size_t g = 0; join && g < wr.size(); ++g) join = !overlap(wr[g], range(mn.src[s]));
+    }
     if (!join && k > 0) {
       group_end[g0] = (uint32_t)k;
       g0 = k;
@@ -272,8 +307,11 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool)
     wofs[k] = gwork;
     gwork += node_work[k];
     work = std::max(work, gwork);
-    wr.push_back(w);
-    for (int s = 0; s < nd.n_src; ++s) rd.push_back(range(nd.src[s]));
+    for (int id : members) {
+      wr.push_back(range(id));
+      const Node& mn = nodes[id];
+      for (int s = 0; s < mn.n_src; ++s) rd.push_back(range(mn.src[s]));
+    }
   }
   if (n_exec) group_end[g0] = (uint32_t)n_exec;
 
@@ -347,7 +385,16 @@ void Plan::run() {
       p.wsize = work_size_ - sc.wofs[k];
       const uint64_t t0 = g_profile.on ? OpProfile::now() : 0;
       try {
-        switch (nd.op) {
+        if (!multi_[k].empty()) {  // fused matmuls (see the constructor)
+          const std::vector<int>& mem = multi_[k];
+          Node* dsts[kMaxMulti];
+          const Node* ws[kMaxMulti];
+          for (size_t i = 0; i < mem.size(); ++i) {
+            dsts[i] = &nodes[mem[i]];
+            ws[i] = &nodes[nodes[mem[i]].src[1]];
+          }
+          cpu_matmul_multi(p, dsts, ws, (int)mem.size(), nodes[nd.src[0]]);
+        } else switch (nd.op) {
 #define X(name, n_src, is_view) case Op::name: if (!is_view) cpu_##name(p, nd, srcs); break;
 #include "pyfast/ops.def"
 #undef X

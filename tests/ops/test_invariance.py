@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from .harness import (
-    F16, F32, I32, ISAS, K_QUANTS, QUANT_ISAS, THREADS, WEIGHT_TYPES, N, QUANT, dname, encode, pool,
+    F16, F32, I32, Q4_1, Q4_K, Q8_0, ISAS, K_QUANTS, QUANT_ISAS, THREADS, WEIGHT_TYPES, N, QUANT, dname, encode, pool,
     run_matmul, using_isa,
 )
 
@@ -55,6 +55,46 @@ def test_matmul_threads_do_not_change_results(dt, isa):
     for nt in THREADS[1:] + (2,):
         _same(run_matmul(x, w, dt, isa, nt), ref, f"{dname(dt)} {isa}: {nt} threads vs 1")
     _same(run_matmul(x[:1], w, dt, isa, 3)[0], ref[0], f"{dname(dt)} {isa}: M=1 with 3 threads")
+
+
+@pytest.mark.parametrize("isa", QUANT_ISAS)
+def test_fused_matmuls_equal_separate_ones(isa):
+    """Consecutive matmuls of one activation tensor run as one kernel (the plan fuses them: q / k /
+    v, gate / up); every output equals its own matmul's bit for bit, for short and long batches,
+    mixed quantized types and thread counts, with a matmul of another tensor and a float weight
+    in between breaking the runs, and the fused outputs feeding later ops."""
+    rng = np.random.default_rng(5)
+    K = 256
+    specs = [(Q8_0, 48), (Q4_1, 16), (Q4_K, 33), (Q4_1, 7)]   # one run of four
+    ws = [encode(rng.standard_normal((n, K)) * 0.2, dt) for dt, n in specs]
+    wf = rng.standard_normal((9, K)).astype(np.float32)
+    for M in (1, 4, 5, 17, 70):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        x2 = rng.standard_normal((M, K)).astype(np.float32)
+        for nt in (1, 2, 3):
+            g = N.Graph()
+            xt, x2t = g.input("x", F32, [M, K]), g.input("x2", F32, [M, K])
+            outs = [g.matmul(xt, g.external(f"w{i}", dt, [n, K], w)) for i, ((dt, n), w) in enumerate(zip(specs, ws))]
+            other = g.matmul(x2t, g.external("w0b", specs[0][0], [specs[0][1], K], ws[0]))   # another x
+            outs2 = [g.matmul(xt, g.external(f"v{i}", dt, [n, K], w)) for i, ((dt, n), w) in enumerate(zip(specs[:2], ws[:2]))]
+            flt = g.matmul(xt, g.external("wf", F32, [9, K], wf))                           # float weight
+            tail = g.matmul(xt, g.external("w3b", specs[3][0], [specs[3][1], K], ws[3]))
+            for i, o in enumerate(outs + [other] + outs2 + [flt, tail]):
+                g.output(o, f"o{i}")
+            g.output(g.add(outs[1], outs2[1]), "sum")  # consumers of fused outputs
+            p = N.Plan(g, pool(nt))
+            p.set_input("x", x)
+            p.set_input("x2", x2)
+            with using_isa(isa):
+                p.run()
+            assert p.stats["n_kernels"] == 6, "the matmuls of x were not fused as expected"
+            want = [run_matmul(x, w, dt, isa, 1) for (dt, _), w in zip(specs, ws)]
+            want += [run_matmul(x2, ws[0], specs[0][0], isa, 1)]
+            want += [run_matmul(x, w, dt, isa, 1) for (dt, _), w in zip(specs[:2], ws[:2])]
+            want += [run_matmul(x, wf, F32, isa, 1), run_matmul(x, ws[3], specs[3][0], isa, 1)]
+            for i, w_ in enumerate(want):
+                _same(p.output(f"o{i}"), w_, f"{isa} M={M} threads={nt} output {i}")
+            _same(p.output("sum"), (want[1] + want[6]).astype(np.float32), f"{isa} M={M} threads={nt} sum")
 
 
 @pytest.mark.parametrize("dt", WEIGHT_TYPES, ids=dname)

@@ -120,9 +120,84 @@ bool cpu_matmul_syncs(const Node& dst, const Node* const* src, int nth) {
   return nth > 1 && is_quant(src[1]->dtype) && n_rows(*src[0]) > kPrivateRows;
 }
 
+// Several matmuls of one activation tensor (quantized weights, one K): the rows are quantized
+// once and the work items run over the weights' 16-row chunks one weight after another. Each
+// output element is computed exactly as by its own matmul (same chunk boundaries and kernel).
+void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* const* ws, int nw, const Node& x) {
+  const int64_t K = x.shape.dims[x.shape.ndim - 1];
+  const int64_t R = n_rows(x);
+  const mm::RowView xv = row_view(x);
+  CpuIsa isa = p.isa;
+  if (isa != CpuIsa::avx2 && isa != CpuIsa::avx512 && isa != CpuIsa::neon) isa = CpuIsa::scalar;
+  const int64_t cn = mm::kChunkN;
+  const int64_t n_mc = (R + mm::kChunkM - 1) / mm::kChunkM;
+  int64_t n_nc = 0;
+  for (int i = 0; i < nw; ++i) n_nc += (ws[i]->shape.dims[0] + cn - 1) / cn;
+  int64_t it0, it1;
+  split_range(n_nc * n_mc, p.ith, p.nth, it0, it1);
+
+  const QLayout L = qlayout(R, K, p.nth);
+  uint8_t* base = (uint8_t*)(((uintptr_t)p.wdata + kAlign - 1) & ~(uintptr_t)(kAlign - 1));
+  uint8_t* act = base + L.act_per_thread * (size_t)p.ith;
+  mm::ActQ a;
+  a.q = reinterpret_cast<int8_t*>(act + L.q);
+  a.d = reinterpret_cast<float*>(act + L.d);
+  a.s = reinterpret_cast<int32_t*>(act + L.s);
+  a.f = reinterpret_cast<float*>(act + L.f);
+  a.h = reinterpret_cast<int32_t*>(act + L.h);
+  a.K = K;
+  a.nb = L.nb;
+  // Phase 1: quantize this thread's activation rows (all of them into its own area when they
+  // are few; the quantization is per row, so the copies are identical).
+  auto quant = isa == CpuIsa::avx512 ? mm::quant_act_avx512
+             : isa == CpuIsa::avx2   ? mm::quant_act_avx2
+             : isa == CpuIsa::neon   ? mm::quant_act_neon
+                                     : mm::quant_act_scalar;
+  int64_t r0 = 0, r1 = R;
+  if (!L.act_per_thread) split_range(R, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const size_t mi = a.meta(r, 0);
+    quant(reinterpret_cast<const float*>(xv.row(r)), const_cast<int8_t*>(a.q) + r * K,
+          const_cast<float*>(a.d) + mi, const_cast<int32_t*>(a.s) + mi, const_cast<float*>(a.f) + mi,
+          const_cast<int32_t*>(a.h) + mi, L.nb);
+  }
+  if (!L.act_per_thread) p.barrier();
+  // Phase 2: this thread's work items.
+  auto gemm = isa == CpuIsa::avx512 ? mm::qgemm_avx512 : isa == CpuIsa::avx2 ? mm::qgemm_avx2 : isa == CpuIsa::neon ? mm::qgemm_neon : mm::qgemm_scalar;
+  mm::QJob j;
+  j.a = a;
+  j.scratch = reinterpret_cast<float*>(base + L.scratch + L.scratch_per_thread * (size_t)p.ith);
+  int wi = 0;
+  int64_t wc0 = 0;  // first global chunk of weight wi
+  for (int64_t it = it0; it < it1; ++it) {
+    const int64_t gc = it / n_mc, mc = it % n_mc;
+    while (gc >= wc0 + (ws[wi]->shape.dims[0] + cn - 1) / cn) wc0 += (ws[wi++]->shape.dims[0] + cn - 1) / cn;
+    const Node& w = *ws[wi];
+    const int64_t N = w.shape.dims[0];
+    j.wt = w.dtype;
+    j.w = w.data;
+    j.w_stride = w.shape.strides[0];
+    j.y = row_view(*dsts[wi]);
+    j.n0 = (gc - wc0) * cn;
+    j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
+    j.m0 = mc * mm::kChunkM;
+    j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
+    gemm(j);
+  }
+}
+
+bool cpu_matmul_fusable(const Node& a, const Node* const* asrc, const Node& b, const Node* const* bsrc) {
+  return a.op == Op::matmul && b.op == Op::matmul && asrc[0] == bsrc[0] && is_quant(asrc[1]->dtype) &&
+         is_quant(bsrc[1]->dtype) && asrc[1]->shape.dims[1] == bsrc[1]->shape.dims[1];
+}
+
 void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
   const Node& x = *src[0];
   const Node& w = *src[1];
+  if (is_quant(w.dtype)) {
+    Node* d = &dst;
+    return cpu_matmul_multi(p, &d, &src[1], 1, x);
+  }
   const int64_t K = x.shape.dims[x.shape.ndim - 1];
   const int64_t N = w.shape.dims[0];
   const int64_t R = n_rows(x);
@@ -130,59 +205,11 @@ void cpu_matmul(const ComputeParams& p, Node& dst, const Node* const* src) {
   const mm::RowView yv = row_view(dst);
   CpuIsa isa = p.isa;
   if (isa != CpuIsa::avx2 && isa != CpuIsa::avx512 && isa != CpuIsa::neon) isa = CpuIsa::scalar;
-
   const int64_t cn = mm::kChunkN;
   const int64_t n_nc = (N + cn - 1) / cn;
   const int64_t n_mc = (R + mm::kChunkM - 1) / mm::kChunkM;
   int64_t it0, it1;
   split_range(n_nc * n_mc, p.ith, p.nth, it0, it1);
-
-  if (is_quant(w.dtype)) {
-    const QLayout L = qlayout(R, K, p.nth);
-    uint8_t* base = (uint8_t*)(((uintptr_t)p.wdata + kAlign - 1) & ~(uintptr_t)(kAlign - 1));
-    uint8_t* act = base + L.act_per_thread * (size_t)p.ith;
-    mm::ActQ a;
-    a.q = reinterpret_cast<int8_t*>(act + L.q);
-    a.d = reinterpret_cast<float*>(act + L.d);
-    a.s = reinterpret_cast<int32_t*>(act + L.s);
-    a.f = reinterpret_cast<float*>(act + L.f);
-    a.h = reinterpret_cast<int32_t*>(act + L.h);
-    a.K = K;
-    a.nb = L.nb;
-    // Phase 1: quantize this thread's activation rows (all of them into its own area when they
-    // are few; the quantization is per row, so the copies are identical).
-    auto quant = isa == CpuIsa::avx512 ? mm::quant_act_avx512
-               : isa == CpuIsa::avx2   ? mm::quant_act_avx2
-               : isa == CpuIsa::neon   ? mm::quant_act_neon
-                                       : mm::quant_act_scalar;
-    int64_t r0 = 0, r1 = R;
-    if (!L.act_per_thread) split_range(R, p.ith, p.nth, r0, r1);
-    for (int64_t r = r0; r < r1; ++r) {
-      const size_t mi = a.meta(r, 0);
-      quant(reinterpret_cast<const float*>(xv.row(r)), const_cast<int8_t*>(a.q) + r * K,
-            const_cast<float*>(a.d) + mi, const_cast<int32_t*>(a.s) + mi, const_cast<float*>(a.f) + mi,
-            const_cast<int32_t*>(a.h) + mi, L.nb);
-    }
-    if (!L.act_per_thread) p.barrier();
-    // Phase 2: this thread's work items.
-    auto gemm = isa == CpuIsa::avx512 ? mm::qgemm_avx512 : isa == CpuIsa::avx2 ? mm::qgemm_avx2 : isa == CpuIsa::neon ? mm::qgemm_neon : mm::qgemm_scalar;
-    mm::QJob j;
-    j.wt = w.dtype;
-    j.w = w.data;
-    j.w_stride = w.shape.strides[0];
-    j.a = a;
-    j.y = yv;
-    j.scratch = reinterpret_cast<float*>(base + L.scratch + L.scratch_per_thread * (size_t)p.ith);
-    for (int64_t it = it0; it < it1; ++it) {
-      const int64_t nc = it / n_mc, mc = it % n_mc;
-      j.n0 = nc * cn;
-      j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
-      j.m0 = mc * mm::kChunkM;
-      j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
-      gemm(j);
-    }
-    return;
-  }
 
   auto gemm = isa == CpuIsa::avx512 ? mm::fgemm_avx512 : isa == CpuIsa::avx2 ? mm::fgemm_avx2 : isa == CpuIsa::neon ? mm::fgemm_neon : mm::fgemm_scalar;
   mm::FJob j;

@@ -34,6 +34,8 @@ class Plan {
   std::shared_ptr<Graph> graph_;
   std::shared_ptr<ThreadPool> pool_;
   std::vector<int> exec_;  // node ids with a kernel, in order
+  std::vector<std::vector<int>> multi_;  // per exec_ entry: the matmuls it runs as one (or empty)
+  static constexpr int kMaxMulti = 8;
   uint8_t* arena_ = nullptr;
   uint8_t* work_ = nullptr;
   size_t work_size_ = 0;
