@@ -57,9 +57,13 @@ static int64_t kv_prepare(int32_t* cp, int32_t* cs, int64_t n_ctx, int64_t used_
 // Host memory owned by Python objects (KV caches, recurrent states): zeroed, 64-byte aligned.
 // Large buffers come from an anonymous mapping, whose pages the kernel zero-fills on first touch:
 // a KV cache sized for a long context costs resident memory only for the cells actually written.
+// huge_pages (model weights read into memory): ask the kernel for transparent huge pages, so that
+// streaming the weights every decode does not walk the page tables every 4 KiB (on a 2-core Xeon
+// VM a 1-row SmolLM2 decode took 17% less time with its weights in 2 MiB pages than mapped from
+// the file).
 struct HostBuffer {
   static constexpr size_t kMapThreshold = size_t(1) << 20;
-  explicit HostBuffer(size_t n) : nbytes(n) {
+  explicit HostBuffer(size_t n, bool huge_pages = false) : nbytes(n) {
     const size_t alloc = n ? n : 64;
 #if defined(__unix__) || defined(__APPLE__)
     if (alloc >= kMapThreshold) {
@@ -67,9 +71,15 @@ struct HostBuffer {
       if (p == MAP_FAILED) throw std::bad_alloc();
       data = static_cast<uint8_t*>(p);
       mapped = true;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+      if (huge_pages) madvise(p, alloc, MADV_HUGEPAGE);  // advice only: without THP, 4 KiB pages
+#else
+      (void)huge_pages;
+#endif
       return;
     }
 #endif
+    (void)huge_pages;
     void* p = nullptr;
     if (posix_memalign(&p, 64, alloc) != 0) throw std::bad_alloc();
     std::memset(p, 0, alloc);
@@ -227,8 +237,8 @@ void bind_core(py::module_& m) {
         "Select the kernels' SIMD path: 'scalar' (reference mode), 'avx2', 'avx512', 'neon' or 'auto'.");
 
   py::class_<HostBuffer, std::shared_ptr<HostBuffer>>(m, "Buffer", py::buffer_protocol(),
-                                                     "Zeroed, 64-byte aligned host memory (KV caches, states).")
-      .def(py::init<size_t>(), py::arg("nbytes"))
+                                                     "Zeroed, 64-byte aligned host memory (KV caches, states, weights read into memory).")
+      .def(py::init<size_t, bool>(), py::arg("nbytes"), py::arg("huge_pages") = false)
       .def_readonly("nbytes", &HostBuffer::nbytes)
       .def("zero", &HostBuffer::zero)
       .def("copy_from", [](HostBuffer& b, const HostBuffer& o, size_t dst_off, size_t src_off, size_t n) {

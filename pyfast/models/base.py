@@ -7,6 +7,7 @@ outermost-first: ``[n_tokens, n_embd]``.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,13 +25,49 @@ class TensorSpec:
 
 
 class Weights:
-    """Model tensors mapped from the GGUF file (no copies)."""
+    """Model tensors: read into one host buffer in huge pages (``in_memory``), or mapped from the
+    GGUF file (no copies)."""
 
-    def __init__(self, reader):
+    def __init__(self, reader, in_memory: bool = False):
         self.reader = reader
         self.info = reader.tensors  # name -> info(name, type, shape, offset, nbytes)
         self._bytes: dict[str, np.ndarray] = {}
         self._derived: dict[str, np.ndarray] = {}
+        self._host: np.ndarray | None = None  # the file's tensor-data section, when in memory
+        self._loader: threading.Thread | None = None
+        self._load_error: BaseException | None = None
+        if in_memory:
+            # read on a background thread (file reads release the GIL) while the caller builds
+            # the tokenizer; data() waits for it
+            self._loader = threading.Thread(target=self._read_all, name="pyfast-weights", daemon=True)
+            self._loader.start()
+
+    def _read_all(self) -> None:
+        """Read the tensor-data section into a native buffer that asks for transparent huge
+        pages: every decode streams all the weights, and mapped file pages are 4 KiB."""
+        try:
+            lo, hi = int(self.reader.data_offset), int(self.reader.file_size)
+            buf = native.Buffer(max(hi - lo, 1), huge_pages=True)
+            view = memoryview(buf)
+            with open(self.reader.path, "rb") as f:
+                f.seek(lo)
+                n = 0
+                while n < hi - lo:
+                    got = f.readinto(view[n:])
+                    if not got:
+                        raise ValueError(f"{self.reader.path}: file ended at byte {lo + n} while reading "
+                                         f"tensor data up to byte {hi}")
+                    n += got
+            self._host = np.frombuffer(buf, dtype=np.uint8)  # keeps buf alive
+        except BaseException as e:  # re-raised by the first data() call
+            self._load_error = e
+
+    def _wait_loaded(self) -> None:
+        if self._loader is not None:
+            self._loader.join()
+            self._loader = None
+        if self._load_error is not None:
+            raise self._load_error
 
     def __contains__(self, name: str) -> bool:
         return name in self.info
@@ -42,9 +79,18 @@ class Weights:
         return tuple(self.info[name].shape)
 
     def data(self, name: str) -> np.ndarray:
+        """The tensor's raw bytes (read-only uint8)."""
         arr = self._bytes.get(name)
         if arr is None:
-            arr = self._bytes[name] = self.reader.tensor_bytes(name)
+            self._wait_loaded()
+            if self._host is not None:
+                info = self.info[name]
+                o = int(info.offset) - int(self.reader.data_offset)
+                arr = self._host[o: o + int(info.nbytes)]
+                arr.flags.writeable = False
+            else:
+                arr = self.reader.tensor_bytes(name)
+            self._bytes[name] = arr
         return arr
 
     def f32(self, name: str) -> np.ndarray:

@@ -109,3 +109,38 @@ def test_bad_inputs(llm):
 def test_missing_model_file_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError):
         LLM(tmp_path / "nope.gguf")
+
+
+def test_weights_in_memory_equal_the_mapped_file(smollm2_path):
+    """By default the weights are read into one huge-page buffer; every tensor's bytes equal the
+    file's (PYFAST_MMAP / mmap=True keeps the mapping), they are read-only, and both give the same
+    logits."""
+    from pyfast.models import Model
+    mem, mapped = Model(smollm2_path), Model(smollm2_path, mmap=True)
+    assert not mem.mmap and mapped.mmap
+    for name in mem.weights.info:
+        a, b = mem.weights.data(name), mapped.weights.data(name)
+        assert a.dtype == np.uint8 and a.size == mem.weights.info[name].nbytes
+        assert not a.flags.writeable
+        assert np.array_equal(a, b), name
+    a = mem.weights.data("token_embd.weight")
+    assert a.ctypes.data != mapped.weights.data("token_embd.weight").ctypes.data
+    prompt = [1, 504, 3458, 282, 2940, 30]
+    from pyfast.context import Context
+    la = Context(mem, n_ctx=64, n_threads=2).decode(prompt, seq_ids=0)
+    lb = Context(mapped, n_ctx=64, n_threads=2).decode(prompt, seq_ids=0)
+    assert np.array_equal(la, lb)
+
+
+def test_truncated_tensor_data_is_a_clear_error(smollm2_path):
+    """A tensor-data section that ends early (the file shrank after it was opened) is a clear
+    error at the first weight access, not a short buffer."""
+    from pyfast.models.base import Weights
+    from pyfast.gguf import GGUFReader
+    r = GGUFReader(smollm2_path)
+    w = Weights(r, in_memory=False)
+    w.reader = type("R", (), {"data_offset": r.data_offset, "file_size": r.file_size + 4096, "path": r.path,
+                               "tensors": r.tensors})()
+    w._read_all()  # the file is 4 KiB shorter than the section it is told to read
+    with pytest.raises(ValueError, match="file ended at byte"):
+        w._wait_loaded()
