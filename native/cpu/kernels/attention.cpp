@@ -28,6 +28,7 @@
 #endif
 
 #include "cpu/kernels/common.h"
+#include "cpu/kernels/lane_sums.h"
 #include "cpu/kernels/vexp.h"
 
 namespace pyfast {
@@ -213,24 +214,6 @@ __attribute__((target("avx2,fma,f16c"))) void f16_to_f32_avx2(const uint16_t* s,
 #define PF_A512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
 
 constexpr int kBlk = 16;  // visible cells per block (AVX-512 path)
-
-// Lane c of the result = the sum of the 16 lanes of a[c], by a fixed tree: pairs of lanes within
-// each 128-bit quarter, then the quarters.
-PF_A512 inline __m512 lane_sums16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i) b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // c[i], quarter k: the quarter-k partial sums of a[4i .. 4i+3]
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 // Scores of one (scaled) query row with the 16 K rows kf[c * D] (f32): per cell the products of
 // the 16-float slices summed lane-wise in order over D, then lane_sums16.

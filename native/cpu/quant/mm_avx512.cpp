@@ -19,6 +19,7 @@
 
 #include <cstring>
 
+#include "cpu/kernels/lane_sums.h"
 #include "cpu/quant/mm_common.h"
 #include "cpu/quant/quant.h"
 
@@ -723,24 +724,6 @@ PF_AVX512 PF_INLINE __m512 loadw_mask(const uint8_t* row, int64_t k, __mmask16 m
   else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const uint16_t*)row + k)), 16));
 }
 
-// Sum of each of 16 vectors: lane p = ((g0 + g1) + (g2 + g3)) of v[p], g = (a0 + a2) + (a1 + a3).
-PF_AVX512 PF_INLINE __m512 reduce16(const __m512* v) {
-  __m512 u[8];
-  for (int q = 0; q < 8; ++q)
-    u[q] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * q], v[2 * q + 1]), _mm512_unpackhi_ps(v[2 * q], v[2 * q + 1]));
-  __m512 w[4];
-  for (int t = 0; t < 4; ++t) {
-    const __m512d a = _mm512_castps_pd(u[2 * t]), b = _mm512_castps_pd(u[2 * t + 1]);
-    w[t] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 template <DType WT, int RM>
 PF_AVX512 void ftile(const FJob& j, const uint8_t* const* rows, int64_t m, int jt, float* out) {
   constexpr int NW = 16 / RM;
@@ -774,7 +757,7 @@ PF_AVX512 void ftile(const FJob& j, const uint8_t* const* rows, int64_t m, int j
       for (int i = 0; i < RM; ++i) acc[jj * RM + i] = _mm512_fmadd_ps(xv[i], wv, acc[jj * RM + i]);
     }
   }
-  _mm512_storeu_ps(out, reduce16(acc));
+  _mm512_storeu_ps(out, lane_sums16(acc));
 }
 
 template <DType WT>
