@@ -18,17 +18,35 @@ ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen35, qwen3
 _MATMUL_DTYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 
 
+def _mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class Model:
     """A GGUF model: metadata, mapped weights and its architecture's graph builder."""
 
     def __init__(self, path: str | os.PathLike, mmap: bool | None = None):
         """mmap: keep the weights mapped from the file (shared with other processes, paged in
         lazily) instead of reading them into huge-page memory, which decodes faster. Default:
-        the environment variable PYFAST_MMAP=1, else read into memory."""
+        PYFAST_MMAP=1 in the environment maps; otherwise the weights are read into memory when
+        they take at most half of the memory available now, and mapped when they do not."""
         self.path = str(path)
         self.reader = GGUFReader(self.path)
         if mmap is None:
-            mmap = os.environ.get("PYFAST_MMAP", "") not in ("", "0")
+            env = os.environ.get("PYFAST_MMAP", "")
+            if env:
+                mmap = env != "0"
+            else:
+                avail = _mem_available()
+                mmap = avail is not None and 2 * (self.reader.file_size - self.reader.data_offset) > avail
         self.mmap = bool(mmap)
         if self.mmap:
             self.reader.prefetch()  # page the weights in while the rest of start-up runs

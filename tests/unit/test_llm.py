@@ -132,6 +132,22 @@ def test_weights_in_memory_equal_the_mapped_file(smollm2_path):
     assert np.array_equal(la, lb)
 
 
+def test_weights_are_mapped_when_memory_is_short(smollm2_path, monkeypatch):
+    """Without PYFAST_MMAP the weights are read into memory only when they take at most half of
+    the available memory; PYFAST_MMAP=0 / 1 decides either way."""
+    import pyfast.models as M
+    monkeypatch.delenv("PYFAST_MMAP", raising=False)
+    monkeypatch.setattr(M, "_mem_available", lambda: 1 << 40)
+    assert not M.Model(smollm2_path).mmap
+    monkeypatch.setattr(M, "_mem_available", lambda: 100 << 20)   # 100 MiB, the file is 94 MiB
+    assert M.Model(smollm2_path).mmap
+    monkeypatch.setenv("PYFAST_MMAP", "0")
+    assert not M.Model(smollm2_path).mmap
+    monkeypatch.setenv("PYFAST_MMAP", "1")
+    monkeypatch.setattr(M, "_mem_available", lambda: 1 << 40)
+    assert M.Model(smollm2_path).mmap
+
+
 def test_truncated_tensor_data_is_a_clear_error(smollm2_path):
     """A tensor-data section that ends early (the file shrank after it was opened) is a clear
     error at the first weight access, not a short buffer."""
