@@ -7,7 +7,9 @@ outermost-first: ``[n_tokens, n_embd]``.
 from __future__ import annotations
 
 import math
+import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +26,18 @@ class TensorSpec:
     optional: bool = False
 
 
+def _file_key(path: str) -> tuple | None:
+    """Identity of a file's current contents: a rewritten file gets a new key."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_IN_MEMORY: dict[tuple, list] = {}  # file key -> weak references to the Weights holding it in memory
+
+
 class Weights:
     """Model tensors: read into one host buffer in huge pages (``in_memory``), or mapped from the
     GGUF file (no copies)."""
@@ -36,11 +50,21 @@ class Weights:
         self._host: np.ndarray | None = None  # the file's tensor-data section, when in memory
         self._loader: threading.Thread | None = None
         self._load_error: BaseException | None = None
+        self._share: Weights | None = None  # another live Weights of the same file to take it from
         if in_memory:
-            # read on a background thread (file reads release the GIL) while the caller builds
-            # the tokenizer; data() waits for it
-            self._loader = threading.Thread(target=self._read_all, name="pyfast-weights", daemon=True)
-            self._loader.start()
+            # one copy per file and process, as a mapping would be (a target and a draft model
+            # of one file, several LLM objects)
+            key = _file_key(reader.path)
+            refs = _IN_MEMORY.setdefault(key, []) if key is not None else []
+            refs[:] = [r for r in refs if r() is not None]
+            if refs:
+                self._share = refs[0]()
+            else:
+                # read on a background thread (file reads release the GIL) while the caller
+                # builds the tokenizer; data() waits for it
+                self._loader = threading.Thread(target=self._read_all, name="pyfast-weights", daemon=True)
+                self._loader.start()
+            refs.append(weakref.ref(self))
 
     def _read_all(self) -> None:
         """Read the tensor-data section into a native buffer that asks for transparent huge
@@ -63,6 +87,9 @@ class Weights:
             self._load_error = e
 
     def _wait_loaded(self) -> None:
+        if self._share is not None:
+            self._share._wait_loaded()
+            self._host, self._share = self._share._host, None  # the array keeps the buffer alive
         if self._loader is not None:
             self._loader.join()
             self._loader = None

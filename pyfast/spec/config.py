@@ -129,8 +129,10 @@ def make_proposers(cfg: SpecConfig, target: "Model", n_ctx: int, n_threads: int 
         if isinstance(t, Proposer):
             out.append(t)
         elif t == "ngram-simple":
-            # fallback drafts are cheap bets only an adaptive controller can switch off
-            out.append(NgramSimple(n=cfg.ngram_n, n_fallback=2 if cfg.adaptive else 0))
+            # fallback drafts are cheap bets only an adaptive controller can switch off; with the
+            # controller trimming every draft, re-sync drafts may also run longer (8, not 4)
+            out.append(NgramSimple(n=cfg.ngram_n, n_fallback=2 if cfg.adaptive else 0,
+                                   n_max_local=8 if cfg.adaptive else 4))
         elif t == "ngram-map-k":
             out.append(NgramMapK(n=cfg.ngram_n))
         elif t == "ngram-mod":

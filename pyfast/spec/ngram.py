@@ -82,6 +82,10 @@ class NgramSimple(Proposer):
     tokens of the anchor (+-2 for one token, +-4 for two, +-8 for three or more) is used, with a
     draft of at most ``n_max_local`` tokens; once some are accepted the full key matches again.
 
+    Under the adaptive controller the re-sync cap ``n_max_local`` is 8 instead of 4: the controller
+    trims each draft to the length its acceptance estimates for the draft's kind pay for (same-run
+    A/B on the copy set, 3 repetitions: 1.53x with 4, 1.59x with 8).
+
     Fallback (``n_fallback`` > 0, on when the adaptive controller is): when neither finds a
     continuation, the most recent earlier occurrence of the last n-1 .. ``n_fallback`` tokens
     anywhere in the sequence gives a draft of at most ``n_max_fallback`` tokens. Such drafts are

@@ -132,6 +132,21 @@ def test_weights_in_memory_equal_the_mapped_file(smollm2_path):
     assert np.array_equal(la, lb)
 
 
+def test_models_of_one_file_share_the_weights_in_memory(smollm2_path):
+    """Like a mapping, one in-memory copy per file and process: a second Model (a draft model of
+    the same file, another LLM) shares it, also after the first one is gone."""
+    import gc
+    from pyfast.models import Model
+    a, b = Model(smollm2_path, mmap=False), Model(smollm2_path, mmap=False)
+    addr = a.weights.data("token_embd.weight").ctypes.data
+    assert b.weights.data("token_embd.weight").ctypes.data == addr
+    del a
+    gc.collect()
+    c = Model(smollm2_path, mmap=False)
+    assert c.weights.data("blk.0.attn_q.weight").ctypes.data == b.weights.data("blk.0.attn_q.weight").ctypes.data
+    assert c.weights.data("token_embd.weight").ctypes.data == addr
+
+
 def test_weights_are_mapped_when_memory_is_short(smollm2_path, monkeypatch):
     """Without PYFAST_MMAP the weights are read into memory only when they take at most half of
     the available memory; PYFAST_MMAP=0 / 1 decides either way."""
