@@ -8,12 +8,13 @@
 //
 // Two definitions of a row's arithmetic, chosen by ISA and head sizes alone (never by the batch):
 // - scalar / AVX2: cell by cell, online softmax rescaled whenever a cell raises the maximum;
-// - AVX-512 (D % 16 == 0, Dv = 16..128): blocks of 16 of the row's visible cells, counted along
-//   the walk (so a block holds the same cells whatever else is in the cache); per block the 16
-//   scores (each a fixed FMA chain over D, then a fixed lane tree), one rescale to the block's
-//   maximum, the 16 weights as one exp, and the V rows accumulated in walk order. The rows of a
-//   tile whose visible cells are prefixes of one list share every K/V conversion and work as a
-//   small matrix product (scores of a row for 16 cells at once, V rows loaded once for 6 rows).
+// - AVX-512 (D % 16 == 0, Dv 16, 32, 64 or 128): blocks of 16 of the row's visible cells,
+//   counted along the walk (so a block holds the same cells whatever else is in the cache); per
+//   block the 16 scores (each a fixed FMA chain over D, then a fixed lane tree), one rescale to
+//   the block's maximum, the 16 weights as one exp, and the V rows accumulated in walk order. The
+//   rows of a tile (up to 16) whose visible cells are prefixes of one list share every K/V
+//   conversion and work as a small matrix product (scores of a row for 16 cells at once, V rows
+//   loaded once for 6 rows).
 #include <cmath>
 #include <algorithm>
 #include <cstring>
