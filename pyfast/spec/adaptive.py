@@ -114,15 +114,22 @@ class AdaptiveController:
             st = state[key] = np.zeros((2, self.n_max))
         return st
 
+    def _acceptance(self, st: np.ndarray, key: str, n: int) -> list[float]:
+        """a_0..a_{n-1} from one sequence's counts st: position i leans on i-1, position 0 on the
+        proposer's acceptance over all sequences (plain floats: a round runs this once per
+        sequence, and numpy calls on 16 numbers cost more than the arithmetic)."""
+        hit, seen = st[0, :n].tolist(), st[1, :n].tolist()
+        g = self._global(key)
+        prev = (float(g[0, 0]) + 2.0 * self.priors.get(key, self.prior)) / (float(g[1, 0]) + 2.0)
+        out = []
+        for h, s in zip(hit, seen):
+            prev = (h + self.pseudo * prev) / (s + self.pseudo)
+            out.append(prev)
+        return out
+
     def estimate(self, state: dict, key: str) -> np.ndarray:
         """Acceptance per position a_0..a_{n_max-1} of one sequence and proposer."""
-        hit, seen = self._state(state, key)
-        g = self._global(key)
-        prev = (g[0, 0] + 2.0 * self.priors.get(key, self.prior)) / (g[1, 0] + 2.0)
-        a = np.empty(self.n_max)
-        for i in range(self.n_max):
-            prev = a[i] = (hit[i] + self.pseudo * prev) / (seen[i] + self.pseudo)
-        return a
+        return np.asarray(self._acceptance(self._state(state, key), key, self.n_max))
 
     def choose(self, state: dict, key: str, cap: int, n_rows: int = 1) -> int:
         """Draft length in [0, cap] maximizing expected tokens / second; n_rows = rows of the
@@ -130,20 +137,15 @@ class AdaptiveController:
         if cap <= 0:
             return 0
         cap = min(cap, self.n_max)
-        # estimate() for the first cap positions, then E(N) = 1 + sum_{j<=N} prod_{i<=j} a_i and
-        # the best (E(N) + n_rows - 1) / c(n_rows + N), first maximum on ties: plain floats (a
-        # round runs this once per sequence; numpy calls on 17 numbers cost more than the math)
+        # E(N) = 1 + sum_{j<=N} prod_{i<=j} a_i; the best (E(N) + n_rows - 1) / c(n_rows + N),
+        # first maximum on ties (plain floats, as in _acceptance)
         st = self._state(state, key)
-        hit, seen = st[0, :cap].tolist(), st[1, :cap].tolist()
-        g = self._global(key)
-        prev = (float(g[0, 0]) + 2.0 * self.priors.get(key, self.prior)) / (float(g[1, 0]) + 2.0)
         cost = self.cost(n_rows + np.arange(cap + 1)).tolist()
         extra = float(n_rows - 1)
         best_n, best = 0, (1.0 + extra) / cost[0]
-        ps, prod, cum = self.pseudo, 1.0, 0.0
-        for i in range(cap):
-            prev = (hit[i] + ps * prev) / (seen[i] + ps)
-            prod *= prev
+        prod, cum = 1.0, 0.0
+        for i, a in enumerate(self._acceptance(st, key, cap)):
+            prod *= a
             cum += prod
             v = (1.0 + cum + extra) / cost[i + 1]
             if v > best:

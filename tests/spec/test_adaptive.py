@@ -118,7 +118,13 @@ def test_choose_is_the_argmax_of_expected_tokens_per_second():
             d = int(rng.integers(1, 17))
             ad.update(st, "p:x", d, int(rng.integers(0, d + 1)))
         cap, n_rows = int(rng.integers(1, 17)), int(rng.integers(1, 4))
-        a = ad.estimate(st, "p:x")[:cap]
+        hit, seen = st["p:x"] if "p:x" in st else np.zeros((2, 16))
+        g = ad._global("p:x")
+        prev, a = (g[0, 0] + 2.0 * ad.priors["p:x"]) / (g[1, 0] + 2.0), np.empty(16)
+        for i in range(16):  # the recurrence, written out independently of the controller
+            prev = a[i] = (hit[i] + ad.pseudo * prev) / (seen[i] + ad.pseudo)
+        assert np.array_equal(ad.estimate(st, "p:x"), a)
+        a = a[:cap]
         gain = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(a))])
         want = int(np.argmax((gain + (n_rows - 1)) / cm(n_rows + np.arange(cap + 1))))
         assert ad.choose(st, "p:x", cap, n_rows) == want, trial

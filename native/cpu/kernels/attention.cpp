@@ -445,9 +445,6 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   // and cell the arithmetic and its order are those of the cell-by-cell loop below.
   const bool blocked = !a512 && kern.avx2 && D % 8 == 0 && (Dv == 32 || Dv == 64 || Dv == 128);
 
-  int64_t walk_tile = -1, walk_n = 0;  // AVX-512 path: the last tile's walk list (when one group)
-  bool walk_soft = false, walk_compat = false;
-  int64_t ulen[kTileMax] = {};
   for (int64_t item = it0; item < it1; ++item) {
     const int64_t hk = item / tiles_per_head;
     const int64_t ti = item % tiles_per_head;
@@ -471,7 +468,7 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       // The tile's walk list: cells visible to any of its rows, in walk order. Rows of one token
       // share a mask row; when every token sees a prefix of the list, all rows form one group.
       int nu = 0;
-      int64_t utok[kTileMax], len[kTileMax];
+      int64_t utok[kTileMax], ulen[kTileMax], len[kTileMax];
       int ubeg[kTileMax + 1];
       for (int r = 0; r < nt; ++r)
         if (nu == 0 || tok[r] != utok[nu - 1]) { ubeg[nu] = r; utok[nu++] = tok[r]; }
@@ -496,15 +493,8 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
         }
         return {nU, compat};
       };
-      if (ti != walk_tile) {  // the same tile of another head (one tile per head) has the same walk
-        walk_soft = false;
-        auto [n_, c_] = walk(0, nu, walk_soft);
-        walk_n = n_;
-        walk_compat = c_;
-        walk_tile = c_ ? ti : -1;
-      }
-      const bool soft = walk_soft, compat = walk_compat;
-      const int64_t nU = walk_n;
+      bool soft = false;
+      const auto [nU, compat] = walk(0, nu, soft);
       for (int u = 0; u < nu && compat; ++u)
         for (int r = ubeg[u]; r < ubeg[u + 1]; ++r) len[r] = ulen[u];
       if (compat) {
