@@ -90,6 +90,7 @@ class Context:
         self.max_plans = max_plans
         self.n_plan_builds = 0
         self.t_compute = 0.0
+        self._out_ids: dict[int, np.ndarray] = {}  # decode_run: rows 0..n-1
 
     @property
     def is_recurrent(self) -> bool:
@@ -223,6 +224,32 @@ class Context:
         if self.rec is None and not self.export_hidden:
             return self._decode_one(int(token), int(position), int(seq), copy=False)[0]
         return self.decode([token], positions=[position], seq_ids=seq)[0]
+
+    def decode_run(self, tokens: np.ndarray, pos0: int, seq: int = 0) -> np.ndarray:
+        """decode() of n consecutive positions pos0 .. pos0+n-1 of one sequence with logits on every
+        row (a speculative verify batch), with the least Python per call. Returns a view into the
+        plan's output (float32 [n, n_vocab]), valid until the next decode. Same plans and
+        arithmetic as decode()."""
+        n = len(tokens)
+        if (self.rec is not None or self.export_hidden or n == 0 or n > min(64, self.n_ubatch)
+                or type(tokens) is not np.ndarray or tokens.dtype != np.int32):
+            return self.decode(tokens, positions=np.arange(pos0, pos0 + n, dtype=np.int32), seq_ids=seq,
+                               logits="all", copy=False)
+        n_vocab = self.model.n_vocab
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= n_vocab:
+            raise ValueError(f"decode: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {n_vocab})")
+        if pos0 < 0:
+            raise ValueError("decode: positions must be >= 0")
+        if n == 1:
+            return self._decode_one(int(tokens[0]), pos0, seq, copy=False)
+        slots = self.kv.prepare_run(seq, pos0, n)
+        plan = self._plan(BatchShape(n, slots.n_kv, n))
+        out_ids = self._out_ids.get(n)
+        if out_ids is None:
+            out_ids = self._out_ids[n] = np.arange(n, dtype=np.int32)
+        self._run(plan, tokens, np.arange(pos0, pos0 + n, dtype=np.int32), out_ids, slots)
+        return plan.output("logits", copy=False)
 
     def _decode_one(self, tok: int, pos: int, seq: int, copy: bool = True) -> np.ndarray:
         """decode() for the generation step (one token, its position given, last-row logits) on a

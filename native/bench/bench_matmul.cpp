@@ -5,7 +5,7 @@
 //
 //   bench_matmul [--isa scalar|avx2|avx512|neon] [--threads 1,2] [--cold] [--min-time 0.3]
 //                [--dtypes Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32] [--m 1,512]
-//                [--no-avxvnni] [--no-dotprod]
+//                [--no-avxvnni] [--no-dotprod] [--packed]
 //
 // Calls are timed in batches inside one ThreadPool::run with a barrier after each call (as a
 // plan replays ops), so thread wake-up cost is not counted per call.
@@ -13,6 +13,7 @@
 // --cold: additionally cycles through enough copies of the weight (>= 512 MiB) that every call
 //         streams it from DRAM, like generation over a whole model (every M: small M are
 //         speculative-decoding verify batches).
+// --packed: Q4_0 / Q4_1 / Q8_0 weights in the packed x16 layout the model loader uses (quant.h).
 // For several-row decodes use e.g. --m 1,2,4,8,16,17; the us/call of M rows over that of M = 1
 // is what a verify batch costs relative to a plain decode step.
 #include <algorithm>
@@ -74,7 +75,7 @@ int main(int argc, char** argv) {
   CpuIsa isa = cpu_best_isa();
   std::vector<int> threads = {1, 2};
   std::vector<int64_t> Ms = {1, 512};
-  bool cold = false;
+  bool cold = false, packed = false;
   double min_time = 0.3;
   std::vector<DType> dtypes = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
                                DType::Q5_K, DType::Q6_K, DType::F16, DType::BF16, DType::F32};
@@ -103,6 +104,8 @@ int main(int argc, char** argv) {
       ++i;
     } else if (a == "--cold") {
       cold = true;
+    } else if (a == "--packed") {
+      packed = true;
     } else if (a == "--no-avxvnni") {
       mm::avx2_use_vnni(false);  // avx2 path: plain maddubs instead of AVX-VNNI
     } else if (a == "--no-dotprod") {
@@ -111,7 +114,7 @@ int main(int argc, char** argv) {
       min_time = std::atof(v);
       ++i;
     } else {
-      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--min-time s] [--no-avxvnni] [--no-dotprod]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--min-time s] [--no-avxvnni] [--no-dotprod] [--packed]\n", argv[0]);
       return 2;
     }
   }
@@ -142,6 +145,11 @@ int main(int argc, char** argv) {
           quantize_row_ref(wt, row.data(), w0.p + row_bytes(wt, K) * (size_t)n, K);
         }
       }
+      const bool pk = packed && packable(wt) && N % 16 == 0;
+      if (pk) {
+        std::vector<uint8_t> tmp(w0.p, w0.p + wbytes);
+        pack_x16(wt, tmp.data(), w0.p, N, K);
+      }
       int ncopies = 1;
       std::unique_ptr<AlignedBuf> wc;
       if (cold) {
@@ -161,6 +169,7 @@ int main(int argc, char** argv) {
         xn.shape.strides = {K * 4, 4, 0, 0};
         xn.data = (uint8_t*)x;
         wn.dtype = wt;
+        wn.packed = pk;
         wn.shape.ndim = 2;
         wn.shape.dims = {N, K, 0, 0};
         wn.shape.strides = {(int64_t)row_bytes(wt, K), wt == DType::F32 ? 4 : 2, 0, 0};
@@ -212,8 +221,8 @@ int main(int argc, char** argv) {
             }
             const double gbs = (double)wbytes / best / 1e9;
             const double gflops = 2.0 * (double)M * N * K / best / 1e9;
-            std::printf("%-5s %-22s %5lld %3d %6s %10.1f %9.2f %9.1f\n", tname(wt), sh.what, (long long)M, nth,
-                        mode ? "cold" : "hot", best * 1e6, gbs, gflops);
+            std::printf("%-5s %-22s %5lld %3d %6s %10.1f %9.2f %9.1f%s\n", tname(wt), sh.what, (long long)M, nth,
+                        mode ? "cold" : "hot", best * 1e6, gbs, gflops, pk ? "  packed" : "");
             std::fflush(stdout);
           }
         }

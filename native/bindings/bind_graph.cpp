@@ -98,7 +98,7 @@ void bind_graph(py::module_& m) {
         return rec(g, [&](Graph& gr) { return gr.input(name, t, shape); });
       }, py::arg("name"), py::arg("dtype"), py::arg("shape"), "A tensor whose data the caller sets before each run.")
       .def("external", [](G g, const std::string& name, DType t, std::vector<int64_t> shape, py::buffer buf,
-                          int64_t offset, std::optional<std::vector<int64_t>> strides) {
+                          int64_t offset, std::optional<std::vector<int64_t>> strides, bool packed) {
         py::buffer_info bi = buf.request();
         const size_t total = (size_t)(bi.size * bi.itemsize);
         Shape s = make_shape(t, shape);
@@ -111,13 +111,14 @@ void bind_graph(py::module_& m) {
                                       " exceeds the buffer (" + std::to_string(total) + " bytes)");
         Tensor out = rec(g, [&](Graph& gr) {
           return gr.external(name, t, shape, static_cast<uint8_t*>(bi.ptr) + offset,
-                             strides ? *strides : std::vector<int64_t>{});
+                             strides ? *strides : std::vector<int64_t>{}, packed);
         });
         g->keep.push_back(buf);
         return out;
       }, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("buffer"), py::arg("offset") = 0,
-         py::arg("strides") = py::none(),
-         "A tensor over memory owned elsewhere (weights, KV cache); the buffer is kept alive.")
+         py::arg("strides") = py::none(), py::arg("packed") = false,
+         "A tensor over memory owned elsewhere (weights, KV cache); the buffer is kept alive. packed: the "
+         "bytes are a weight in the packed x16 layout (pack_x16), read only by matmul and get_rows.")
       .def("get_rows", [](G g, const Tensor& t, const Tensor& ids) { return rec(g, [&](Graph& gr) { return gr.get_rows(tid(*g, t), tid(*g, ids)); }); })
       .def("matmul", [](G g, const Tensor& x, const Tensor& w) { return rec(g, [&](Graph& gr) { return gr.matmul(tid(*g, x), tid(*g, w)); }); },
            "x[..., K] @ w[N, K].T -> [..., N]")

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "bindings/bindings.h"
 #include "cpu/quant/quant.h"
@@ -66,6 +67,51 @@ void bind_quant(py::module_& m) {
       py::arg("dtype"), py::arg("raw"), py::arg("n_rows"), py::arg("n_cols"),
       "Decode n_rows rows of n_cols elements of dtype (contiguous bytes) to float32 [n_rows, n_cols].\n"
       "Releases the GIL.");
+
+  m.def("packable", [](DType t) { return packable(t); }, py::arg("dtype"),
+        "Whether weights of dtype can be stored in the packed x16 layout (Q4_0, Q4_1, Q8_0).");
+  m.def(
+      "pack_x16",
+      [](DType t, py::buffer raw, int64_t nrows, int64_t ncols) {
+        py::buffer_info bi = raw.request(true);
+        if (!packable(t)) throw std::invalid_argument(std::string("[pack_x16] unsupported dtype ") + dtype_name(t));
+        if (nrows <= 0 || nrows % 16 != 0 || ncols <= 0 || ncols % dtype_block_size(t) != 0)
+          throw std::invalid_argument("[pack_x16] needs rows a multiple of 16 and whole blocks, got " +
+                                      std::to_string(nrows) + " x " + std::to_string(ncols));
+        const size_t n = dtype_row_size(t, ncols) * (size_t)nrows;
+        if ((size_t)(bi.size * bi.itemsize) != n) throw std::invalid_argument("[pack_x16] buffer size does not match the shape");
+        uint8_t* p = static_cast<uint8_t*>(bi.ptr);
+        {
+          py::gil_scoped_release nogil;
+          std::vector<uint8_t> src(p, p + n);
+          pack_x16(t, src.data(), p, nrows, ncols);
+        }
+      },
+      py::arg("dtype"), py::arg("raw"), py::arg("n_rows"), py::arg("n_cols"),
+      "Rewrite a row-major [n_rows, n_cols] weight of dtype (writable bytes) in place into the packed\n"
+      "x16 layout that Graph.external(..., packed=True) expects. Releases the GIL.");
+
+  m.def(
+      "unpack_x16",
+      [](DType t, py::buffer raw, int64_t nrows, int64_t ncols) {
+        py::buffer_info bi = raw.request();
+        if (!packable(t)) throw std::invalid_argument(std::string("[unpack_x16] unsupported dtype ") + dtype_name(t));
+        if (nrows <= 0 || nrows % 16 != 0 || ncols <= 0 || ncols % dtype_block_size(t) != 0)
+          throw std::invalid_argument("[unpack_x16] needs rows a multiple of 16 and whole blocks");
+        const size_t rb = dtype_row_size(t, ncols);
+        if ((size_t)(bi.size * bi.itemsize) != rb * (size_t)nrows)
+          throw std::invalid_argument("[unpack_x16] buffer size does not match the shape");
+        py::array_t<uint8_t> out({(py::ssize_t)nrows, (py::ssize_t)rb});
+        const uint8_t* s = static_cast<const uint8_t*>(bi.ptr);
+        uint8_t* d = out.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          for (int64_t c = 0; c < nrows / 16; ++c) unpack_x16(t, s + c * 16 * rb, ncols, 0, 16, d + c * 16 * rb);
+        }
+        return out;
+      },
+      py::arg("dtype"), py::arg("raw"), py::arg("n_rows"), py::arg("n_cols"),
+      "The row-major copy (uint8 [n_rows, row_bytes]) of a weight in the packed x16 layout.");
 
   m.def("avx2_use_vnni", [](bool on) { mm::avx2_use_vnni(on); }, py::arg("on"),
         "Whether the avx2 matmul path uses AVX-VNNI (when the CPU has it) or the maddubs variant\n"

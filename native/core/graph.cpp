@@ -2,6 +2,8 @@
 // here; errors are std::invalid_argument("[op] ...") so Python sees a ValueError naming the op.
 #include "pyfast/graph.h"
 
+#include "cpu/quant/quant.h"
+
 #include <algorithm>
 #include <cmath>
 #include <sstream>
@@ -60,6 +62,11 @@ Node& Graph::at(int id) {
 }
 
 int Graph::push(Node n) {
+  for (int i = 0; i < n.n_src; ++i)  // a packed weight is only read where its layout is known
+    if (n.src[i] >= 0 && n.src[i] < (int)nodes_.size() && nodes_[n.src[i]].packed &&
+        !((n.op == Op::matmul && i == 1) || (n.op == Op::get_rows && i == 0)))
+      fail(op_name(n.op), "'" + nodes_[n.src[i]].name + "' is a packed weight: only matmul (as the weight) and "
+                          "get_rows (as the table) read it");
   n.id = (int)nodes_.size();
   nodes_.push_back(std::move(n));
   return nodes_.back().id;
@@ -96,12 +103,18 @@ int Graph::input(const std::string& name, DType t, const std::vector<int64_t>& d
 }
 
 int Graph::external(const std::string& name, DType t, const std::vector<int64_t>& dims, void* data,
-                    const std::vector<int64_t>& strides) {
+                    const std::vector<int64_t>& strides, bool packed) {
   if (!data) fail("external", "null data for '" + name + "'");
   Node n = make_node(Op::none, t, shape_or_fail("external", t, dims), {});
   if (!strides.empty()) {
     if ((int)strides.size() != n.shape.ndim) fail("external", "strides must match the number of dims");
     for (int i = 0; i < n.shape.ndim; ++i) n.shape.strides[i] = strides[i];
+  }
+  if (packed) {
+    if (!packable(t) || n.shape.ndim != 2 || n.shape.dims[0] % 16 != 0 || !strides.empty())
+      fail("external", "packed '" + name + "': needs a contiguous 2-D Q4_0 / Q4_1 / Q8_0 tensor with rows a "
+                       "multiple of 16, got " + dtype_name(t) + " " + n.shape.str());
+    n.packed = true;
   }
   n.kind = NodeKind::external;
   n.name = name;

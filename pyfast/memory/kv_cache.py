@@ -67,7 +67,7 @@ class KVCache:
     # --- bookkeeping -----------------------------------------------------------------------
     @property
     def n_used(self) -> int:
-        return int(np.count_nonzero(self.cell_pos >= 0))
+        return int(np.count_nonzero(self.cell_pos[: self._used_top] >= 0))  # cells past it are free
 
     def seq_pos_max(self, seq: int) -> int:
         """Largest position stored for `seq`, or -1 when it has none."""

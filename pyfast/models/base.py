@@ -38,6 +38,25 @@ def _file_key(path: str) -> tuple | None:
 _IN_MEMORY: dict[tuple, list] = {}  # file key -> weak references to the Weights holding it in memory
 
 
+class _Packing:
+    """Which tensors of one in-memory copy are packed (x16) and which were handed out row-major
+    (never packed afterwards: a graph may read them). Shared by the Weights sharing the copy."""
+
+    def __init__(self):
+        self.packed: set[str] = set()
+        self.row_major: set[str] = set()
+        self.lock = threading.Lock()
+
+
+def packing_enabled() -> bool:
+    """Whether matmul weights are packed at load: on where the avx512 kernels read the packed layout
+    (elsewhere it costs an unpack per use); PYFAST_PACK=0 / 1 forces it off / on."""
+    env = os.environ.get("PYFAST_PACK")
+    if env is not None and env != "":
+        return env != "0"
+    return native.cpu_isa() == "avx512"
+
+
 class Weights:
     """Model tensors: read into one host buffer in huge pages (``in_memory``), or mapped from the
     GGUF file (no copies)."""
@@ -51,6 +70,7 @@ class Weights:
         self._loader: threading.Thread | None = None
         self._load_error: BaseException | None = None
         self._share: Weights | None = None  # another live Weights of the same file to take it from
+        self._pack: _Packing | None = None    # in memory only: packed-layout bookkeeping
         if in_memory:
             # one copy per file and process, as a mapping would be (a target and a draft model
             # of one file, several LLM objects)
@@ -59,7 +79,9 @@ class Weights:
             refs[:] = [r for r in refs if r() is not None]
             if refs:
                 self._share = refs[0]()
+                self._pack = self._share._pack
             else:
+                self._pack = _Packing()
                 # read on a background thread (file reads release the GIL) while the caller
                 # builds the tokenizer; data() waits for it
                 self._loader = threading.Thread(target=self._read_all, name="pyfast-weights", daemon=True)
@@ -106,7 +128,50 @@ class Weights:
         return tuple(self.info[name].shape)
 
     def data(self, name: str) -> np.ndarray:
-        """The tensor's raw bytes (read-only uint8)."""
+        """The tensor's raw bytes as in the file (read-only uint8)."""
+        pk = self._pack
+        if pk is not None and name not in pk.row_major:
+            with pk.lock:
+                if name in pk.packed:  # a row-major copy (kept: graphs may reference it)
+                    return self.derived(name + "#row-major", lambda: self._unpacked(name))
+                pk.row_major.add(name)
+        return self._raw(name)
+
+    def _unpacked(self, name: str) -> np.ndarray:
+        shape = self.shape(name)
+        return native.unpack_x16(self.dtype(name), self._raw(name), int(shape[0]), int(shape[1])).reshape(-1)
+
+    def _file_bytes(self, name: str) -> np.ndarray:
+        """The bytes as in the file without handing the tensor out (a copy when it is packed)."""
+        pk = self._pack
+        if pk is not None and name in pk.packed:
+            return self._unpacked(name)
+        return self._raw(name)
+
+    def matmul_data(self, name: str) -> tuple[np.ndarray, bool]:
+        """The bytes of a weight read only by matmul / get_rows, and whether they are packed (x16,
+        see cpu/quant/quant.h): an in-memory Q4_0 / Q4_1 / Q8_0 2-D tensor whose rows are a multiple
+        of 16 is packed in place the first time, unless it was handed out row-major before."""
+        pk = self._pack
+        if pk is None:
+            return self.data(name), False
+        with pk.lock:
+            if name in pk.packed:
+                return self._raw(name), True
+            shape = self.shape(name)
+            dt = self.dtype(name)
+            if (name not in pk.row_major and len(shape) == 2 and shape[0] % 16 == 0 and native.packable(dt)
+                    and packing_enabled()):
+                arr = self._raw(name)
+                o = int(self.info[name].offset) - int(self.reader.data_offset)
+                native.pack_x16(dt, self._host[o: o + arr.size], int(shape[0]), int(shape[1]))
+                pk.packed.add(name)
+                return arr, True
+            pk.row_major.add(name)
+        return self._raw(name), False
+
+    def _raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes in this copy, whatever their layout (read-only uint8)."""
         arr = self._bytes.get(name)
         if arr is None:
             self._wait_loaded()
@@ -125,7 +190,7 @@ class Weights:
         info = self.info[name]
         shape = tuple(info.shape)
         n_cols = shape[-1] if shape else 1
-        out = native.dequantize_tensor(self.dtype(name), self.data(name), int(np.prod(shape)) // n_cols, n_cols)
+        out = native.dequantize_tensor(self.dtype(name), self._file_bytes(name), int(np.prod(shape)) // n_cols, n_cols)
         return np.asarray(out, dtype=np.float32).reshape(shape)
 
     def derived(self, key: str, make) -> np.ndarray:
@@ -205,18 +270,28 @@ class GraphBuilder:
             self._wcache[name] = t
         return t
 
+    def mat_weight(self, name: str):
+        """A weight read only by matmul / get_rows: packed for the kernels where possible."""
+        key = name + "#mat"
+        t = self._wcache.get(key)
+        if t is None:
+            data, packed = self.w.matmul_data(name)
+            t = self.g.external(name, self.w.dtype(name), list(self.w.shape(name)), data, packed=packed)
+            self._wcache[key] = t
+        return t
+
     def has(self, name: str) -> bool:
         return name in self.w
 
     # --- layers ----------------------------------------------------------------------------
     def embed(self, name: str):
-        return self.g.get_rows(self.weight(name), self.tokens)  # [T, n_embd]
+        return self.g.get_rows(self.mat_weight(name), self.tokens)  # [T, n_embd]
 
     def norm(self, x, name: str, eps: float):
         return self.g.mul(self.g.rms_norm(x, eps), self.weight(name))
 
     def linear(self, x, name: str, bias: str | None = None):
-        y = self.g.matmul(x, self.weight(name))
+        y = self.g.matmul(x, self.mat_weight(name))
         if bias is not None and self.has(bias):
             y = self.g.add(y, self.weight(bias))
         return y

@@ -38,6 +38,8 @@ class CostModel:
         self.ctx = ctx
         self.t_max = max(2, int(t_max))
         self.cost: np.ndarray | None = None  # [t_max + 1]; cost[0] unused
+        self._list: list[float] = []  # the same as plain floats (the controller's loop), of _of
+        self._of: np.ndarray | None = None
 
     def calibrate(self, reps: int = 3, passes: int = 2) -> np.ndarray:
         """Time decodes of a few sizes on a scratch sequence; interpolate the rest."""
@@ -68,6 +70,17 @@ class CostModel:
         cost[0] = c1
         self.cost = cost
         return cost
+
+    def costs(self, t0: int, n: int) -> list[float]:
+        """c(t0), c(t0 + 1), .., c(t0 + n - 1) as plain floats."""
+        if self.cost is None:
+            self.calibrate()
+        if self._of is not self.cost:
+            self._list, self._of = self.cost.tolist(), self.cost
+        c = self._list
+        if t0 + n <= len(c):
+            return c[t0: t0 + n]
+        return self(t0 + np.arange(n)).tolist()
 
     def __call__(self, T: np.ndarray | int):
         if self.cost is None:
@@ -140,7 +153,7 @@ class AdaptiveController:
         # E(N) = 1 + sum_{j<=N} prod_{i<=j} a_i; the best (E(N) + n_rows - 1) / c(n_rows + N),
         # first maximum on ties (plain floats, as in _acceptance)
         st = self._state(state, key)
-        cost = self.cost(n_rows + np.arange(cap + 1)).tolist()
+        cost = self.cost.costs(n_rows, cap + 1)
         extra = float(n_rows - 1)
         best_n, best = 0, (1.0 + extra) / cost[0]
         prod, cum = 1.0, 0.0

@@ -57,12 +57,15 @@ class Slot:
         self.stats = SpecStats()
         self.estimates: dict[str, np.ndarray] = {}  # adaptive: proposer -> acceptance per position
         self.started = False
+        self._view: np.ndarray | None = None  # tokens' view, until the next _push
 
     @property
     def tokens(self) -> np.ndarray:
         """A read-only view of the sequence's tokens."""
-        v = self._buf[: self.n]
-        v.flags.writeable = False
+        v = self._view
+        if v is None:
+            v = self._view = self._buf[: self.n]
+            v.flags.writeable = False
         return v
 
     @property
@@ -75,6 +78,7 @@ class Slot:
             self._buf = np.concatenate([self._buf, np.zeros(max(m, self._buf.size), dtype=np.int32)])
         self._buf[self.n: self.n + m] = toks
         self.n += m
+        self._view = None
 
 
 class SpecDecoder:
@@ -259,7 +263,7 @@ class SpecDecoder:
             if T == 1:
                 logits = ctx.decode_step(int(toks[0]), int(pos[0]), slots[0].seq)[None]
             else:
-                logits = ctx.decode(toks, positions=pos, seq_ids=slots[0].seq, logits="all", copy=False)
+                logits = ctx.decode_run(toks, int(pos[0]), slots[0].seq)
         else:
             logits = ctx.decode(toks, positions=pos, seq_ids=seqs, logits="all")
         hidden = getattr(ctx, "last_hidden", None)  # the verify rows' (export_hidden), for process()

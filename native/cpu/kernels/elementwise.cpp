@@ -8,6 +8,7 @@
 
 #include "cpu/kernels/common.h"
 #include "cpu/kernels/vexp.h"
+#include "cpu/quant/quant.h"
 
 namespace pyfast {
 
@@ -189,7 +190,12 @@ void cpu_get_rows(const ComputeParams& p, Node& dst, const Node* const* src) {
       continue;
     }
     const uint8_t* row = t->data + (int64_t)id * t->shape.strides[0];
-    if (contiguous) {
+    if (t->packed) {  // the row back out of its 16-row chunk (quant.h)
+      thread_local std::vector<uint8_t> tmp_row;
+      tmp_row.resize((size_t)t->shape.strides[0]);
+      unpack_x16(t->dtype, t->data + (int64_t)(id & ~15) * t->shape.strides[0], n_inner, id & 15, 1, tmp_row.data());
+      row_to_f32(t->dtype, tmp_row.data(), o, row_elems);
+    } else if (contiguous) {
       row_to_f32(t->dtype, row, o, row_elems);
     } else {
       for (int64_t q = 0; q < runs; ++q) row_to_f32(t->dtype, row + row_offset(inner, q), o + q * n_inner, n_inner);

@@ -11,6 +11,7 @@
 // kernel call with a fixed per-pair reduction order (see cpu/quant/quant.h), so results do not
 // depend on M, the thread count or the tiling.
 #include <cstdint>
+#include <vector>
 
 #include "cpu/quant/quant.h"
 #include "pyfast/cpu.h"
@@ -177,11 +178,26 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
     j.wt = w.dtype;
     j.w = w.data;
     j.w_stride = w.shape.strides[0];
+    j.packed = w.packed;
     j.y = row_view(*dsts[wi]);
     j.n0 = (gc - wc0) * cn;
     j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
     j.m0 = mc * mm::kChunkM;
     j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
+    if (j.packed && isa != CpuIsa::avx512) {
+      // Only the avx512 kernels read the packed layout: the chunk's rows back to row-major first
+      // (a per-thread copy), then this ISA's kernel as usual.
+      thread_local std::vector<uint8_t> rows;
+      rows.resize((size_t)(cn * j.w_stride));
+      unpack_x16(w.dtype, j.w + j.n0 * j.w_stride, K, 0, (int)(j.n1 - j.n0), rows.data());
+      mm::QJob u = j;
+      u.packed = false;
+      // row n of u at rows + (n - n0) * stride (only rows n0 .. n1-1 are read)
+      u.w = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(rows.data()) -
+                                             (uintptr_t)(j.n0 * j.w_stride));
+      gemm(u);
+      continue;
+    }
     gemm(j);
   }
 }

@@ -77,6 +77,7 @@ struct QCtx {
   bool gather_ok;
   const uint8_t* pf;        // the chunk after next, prefetched (into L2) while this one runs
   int64_t pf_step;          // bytes of it to prefetch per block
+  const uint8_t* pk;        // packed weights (quant.h): the chunk
 };
 
 // 16 bytes at byte offset `off` of each of 4 rows, one row per 128-bit lane.
@@ -472,7 +473,30 @@ struct XtBuf {
   size_t obase;        // meta index of (m0 & ~3, block 0)
 };
 
-enum XtMode { kDecode = 0, kDecodeStore = 1, kLoad = 2 };
+enum XtMode { kDecode = 0, kDecodeStore = 1, kLoad = 2, kPacked = 3 };
+
+// xt_decode for a packed chunk (quant.h): the block's scales and transposed codes are in place.
+template <DType WT>
+PF_AVX512 PF_INLINE void xt_unpack(const QCtx& c, int64_t b, __m512i* w, __m512& dw, __m512& mw) {
+  const uint8_t* p = c.pk + b * 16 * c.bs;
+  dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+  if constexpr (WT == DType::Q8_0) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(_mm512_loadu_si512(p + 32 + 64 * g), bias);
+    (void)mw;
+  } else {
+    static_assert(WT == DType::Q4_0 || WT == DType::Q4_1, "packed: Q4_0, Q4_1, Q8_0");
+    constexpr int qo = WT == DType::Q4_1 ? 64 : 32;
+    if constexpr (WT == DType::Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+    else (void)mw;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i t = _mm512_loadu_si512(p + qo + 64 * g);
+      w[g] = _mm512_and_si512(t, m4);
+      w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), m4);
+    }
+  }
+}
 
 // RM activation rows from m: y[m + i][n0 + r] for r < nv.
 template <DType WT, int RM, int MODE>
@@ -493,6 +517,11 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
     __m512 dw0, mw0;
     if constexpr (MODE == kLoad) {
       for (int k = 0; k < STEP * 8; ++k) w[k] = _mm512_load_si512(xb.wt + b0 * 8 + k);
+    } else if constexpr (MODE == kPacked) {
+      if constexpr (!kIsK<WT> && WT != DType::Q5_0 && WT != DType::Q5_1) {
+        for (int64_t o = 0; o < c.pf_step; o += 64) _mm_prefetch((const char*)c.pf + b0 * c.pf_step + o, _MM_HINT_T1);
+        xt_unpack<WT>(c, b0, w, dw0, mw0);
+      }
     } else {
       // The chunk after next, into L2 while this one is decoded (its rows are read in an
       // interleaved order the hardware prefetchers do not follow).
@@ -618,6 +647,15 @@ PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
   }
   constexpr int RX = kXtRows<WT>;
   const int64_t M = j.m1 - j.m0;
+  if (j.packed) {  // every pass reads the packed chunk (unpacking it costs less than a scratch copy)
+    if constexpr (!kIsK<WT> && WT != DType::Q5_0 && WT != DType::Q5_1) {
+      for (int64_t m = j.m0; m < j.m1; m += RX) {
+        const int rm = j.m1 - m < RX ? (int)(j.m1 - m) : RX;
+        xt_rows<WT, kPacked>(c, xb, a, m, rm, j.y, j.n0, nv);
+      }
+    }
+    return;
+  }
   if (M <= RX) {
     xt_rows<WT, kDecode>(c, xb, a, j.m0, (int)M, j.y, j.n0, nv);
     return;
@@ -633,6 +671,16 @@ template <DType WT>
 PF_AVX512 void qgemm_t(const QJob& j) {
   QCtx c;
   const int nv = (int)(j.n1 - j.n0);
+  if (j.packed) {  // (packable types only; n0 % 16 == 0 and nv == 16)
+    c.nb = j.a.nb;
+    c.K = j.a.K;
+    c.bs = wblock_bytes(WT);
+    c.pk = j.w + j.n0 * j.w_stride;
+    c.pf = c.pk + 32 * j.w_stride;  // the chunk after next
+    c.pf_step = 16 * c.bs;
+    qgemm_xt<WT>(j, c, nv);
+    return;
+  }
   for (int r = 0; r < 16; ++r) c.rows[r] = j.w + (j.n0 + (r < nv ? r : nv - 1)) * j.w_stride;
   c.nb = j.a.nb;
   c.K = j.a.K;

@@ -129,6 +129,20 @@ bool matmul_weight_supported(DType t);
 //  g = (a0 + a2) + (a1 + a3); L = 8: g0 + g1; L = 16: (g0 + g1) + (g2 + g3).
 //  avx512, neon and scalar use L = 16 (bit-identical); avx2 uses L = 8.
 // ---------------------------------------------------------------------------------------------
+// Packed ("x16") weights. A [N, K] Q4_0 / Q4_1 / Q8_0 weight with N % 16 == 0 may be stored in
+// chunks of 16 rows, laid out for the transposed kernels (rows >= 2 in mm_avx512.cpp) so that a
+// chunk's block is read with a few plain loads instead of gathers from 16 rows: chunk c keeps
+// the bytes its rows had (offset c * 16 * row_bytes); block b of it sits at b * 16 * bs (bs = the
+// block's bytes) and holds the 16 rows' fp16 d, then (Q4_1) their fp16 m, then the codes with
+// 32-bit lane r of vector g (64 bytes) = bytes 4g .. 4g+3 of row r's qs (Q4_0 / Q4_1: 4 vectors,
+// Q8_0: 8). Same values, same arithmetic: results are bit-identical to the row-major weight.
+// The model loader packs weights in memory (pyfast.models.base); matmul and get_rows read them.
+bool packable(DType t);
+// src row-major -> dst packed (distinct buffers of N * row_bytes).
+void pack_x16(DType t, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K);
+// Rows r0 .. r0+nr-1 (< 16) of the packed chunk at `chunk` back to row-major rows at dst.
+void unpack_x16(DType t, const uint8_t* chunk, int64_t K, int r0, int nr, uint8_t* dst);
+
 namespace mm {
 
 constexpr int kChunkN = 16;  // weight rows per work item (one kernel call)
@@ -195,6 +209,7 @@ struct QJob {
   DType wt = DType::Q8_0;
   const uint8_t* w = nullptr;  // weight row n at w + n * w_stride
   int64_t w_stride = 0;
+  bool packed = false;         // w is packed (x16, above): the chunk of rows n0.. at w + n0 * w_stride
   int64_t n0 = 0, n1 = 0;
   ActQ a;
   int64_t m0 = 0, m1 = 0;

@@ -39,6 +39,9 @@ struct Node {
   int64_t view_offset = 0;
   // Resolved at plan time (computed/input) or record time (external).
   uint8_t* data = nullptr;
+  // External quantized weight stored in the packed x16 layout (cpu/quant/quant.h); only matmul
+  // (as the weight) and get_rows (as the table) read such a node.
+  bool packed = false;
 };
 
 class Graph {
@@ -48,7 +51,7 @@ class Graph {
   // Leaves.
   int input(const std::string& name, DType t, const std::vector<int64_t>& dims);
   int external(const std::string& name, DType t, const std::vector<int64_t>& dims, void* data,
-               const std::vector<int64_t>& strides = {});
+               const std::vector<int64_t>& strides = {}, bool packed = false);
 
   // Ops (each returns the new node id).
   int get_rows(int table, int ids);

@@ -1,0 +1,125 @@
+"""Packed (x16) weights: the same bytes in 16-row chunks (cpu/quant/quant.h). matmul and get_rows
+read them with results bit-identical to the row-major weight, on every ISA (avx512 reads the
+layout directly, the others unpack each chunk first); packing round-trips exactly; everything else
+refuses a packed tensor."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .harness import F32, I32, Q4_0, Q4_1, Q8_0, QUANT_ISAS, N, dname, encode, pool, run_matmul, using_isa
+
+PACKABLE = (Q4_0, Q4_1, Q8_0)
+
+
+def _weight(dt, n, k, seed):
+    rng = np.random.default_rng(seed)
+    return encode(rng.standard_normal((n, k)) * 0.2, dt)
+
+
+def _packed(w, dt):
+    p = np.array(w, dtype=np.uint8, copy=True)
+    N.pack_x16(dt, p, p.shape[0], p.shape[1] * N.dtype_block_size(dt) // N.dtype_type_size(dt))
+    return p
+
+
+def _same(a, b, what):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, what
+    diff = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
+    assert diff.size == 0, f"{what}: {diff.size} elements differ (first flat index {diff[0]})"
+
+
+def test_packable_types():
+    assert all(N.packable(dt) for dt in PACKABLE)
+    assert not any(N.packable(dt) for dt in (N.DType.Q4_K, N.DType.Q6_K, N.DType.Q5_0, F32))
+
+
+@pytest.mark.parametrize("dt", PACKABLE, ids=dname)
+def test_packing_moves_every_byte(dt):
+    """Packing is a permutation of the bytes within each 16-row chunk: nothing is lost or
+    duplicated, and chunks stay where their rows were."""
+    w = _weight(dt, 48, 96, 1)
+    p = _packed(w, dt)
+    assert p.shape == w.shape and not np.array_equal(p, w)
+    for c in range(3):
+        a, b = w[16 * c:16 * c + 16].ravel(), p[16 * c:16 * c + 16].ravel()
+        np.testing.assert_array_equal(np.sort(a), np.sort(b))
+    # the first 32 bytes of a chunk's first block: the 16 rows' fp16 scales d, in row order
+    np.testing.assert_array_equal(p[0, :32].view(np.uint16), w[:16, :2].copy().view(np.uint16).ravel())
+
+
+@pytest.mark.parametrize("dt,isa", [(d, i) for d in PACKABLE for i in QUANT_ISAS],
+                         ids=[f"{dname(d)}-{i}" for d in PACKABLE for i in QUANT_ISAS])
+def test_packed_matmul_equals_row_major(dt, isa):
+    K, N_ = 160, 48
+    w = _weight(dt, N_, K, 2)
+    p = _packed(w, dt)
+    rng = np.random.default_rng(3)
+    for M in (1, 2, 3, 5, 8, 9, 17, 70):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        ref = run_matmul(x, w, dt, isa, 1)
+        for nt in (1, 3):
+            g = N.Graph()
+            we = g.external("w", dt, [N_, K], p, packed=True)
+            g.output(g.matmul(g.input("x", F32, [M, K]), we), "y")
+            pl = N.Plan(g, pool(nt))
+            pl.set_input("x", x)
+            with using_isa(isa):
+                pl.run()
+            _same(pl.output("y"), ref, f"{dname(dt)} {isa} M={M} threads={nt}")
+
+
+@pytest.mark.parametrize("isa", QUANT_ISAS)
+def test_packed_weights_in_a_fused_run(isa):
+    """Packed and row-major weights of one activation run as one fused kernel (q / k / v)."""
+    K = 128
+    specs = [(Q4_1, 32, True), (Q8_0, 16, False), (Q4_0, 16, True)]
+    ws = [_weight(dt, n, K, 10 + i) for i, (dt, n, _) in enumerate(specs)]
+    rng = np.random.default_rng(4)
+    for M in (1, 5, 17):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        g = N.Graph()
+        xt = g.input("x", F32, [M, K])
+        for i, ((dt, n, pk), w) in enumerate(zip(specs, ws)):
+            g.output(g.matmul(xt, g.external(f"w{i}", dt, [n, K], _packed(w, dt) if pk else w, packed=pk)), f"o{i}")
+        pl = N.Plan(g, pool(2))
+        pl.set_input("x", x)
+        with using_isa(isa):
+            pl.run()
+        for i, ((dt, _, _), w) in enumerate(zip(specs, ws)):
+            _same(pl.output(f"o{i}"), run_matmul(x, w, dt, isa, 1), f"{isa} M={M} output {i}")
+
+
+@pytest.mark.parametrize("dt", PACKABLE, ids=dname)
+def test_packed_get_rows(dt):
+    """An embedding table that is also the output matrix (tied weights) can stay packed."""
+    w = _weight(dt, 64, 96, 5)
+    ids = np.array([0, 15, 16, 17, 63, 40, 40, 1], dtype=np.int32)
+    out = {}
+    for pk in (False, True):
+        g = N.Graph()
+        t = g.external("t", dt, [64, 96], _packed(w, dt) if pk else w, packed=pk)
+        g.output(g.get_rows(t, g.input("ids", I32, [ids.size])), "y")
+        pl = N.Plan(g, pool(2))
+        pl.set_input("ids", ids)
+        pl.run()
+        out[pk] = pl.output("y")
+    _same(out[True], out[False], f"{dname(dt)} get_rows")
+    np.testing.assert_array_equal(out[False], N.dequantize_tensor(dt, w, 64, 96)[ids])
+
+
+def test_packed_tensors_are_refused_elsewhere():
+    w = _weight(Q4_1, 32, 64, 6)
+    g = N.Graph()
+    t = g.external("t", Q4_1, [32, 64], _packed(w, Q4_1), packed=True)
+    with pytest.raises(ValueError, match="packed weight"):
+        g.view(t, [16, 64], [w.shape[1], 1], 0)
+    with pytest.raises(ValueError, match="packed weight"):
+        g.cpy(t, F32)
+    with pytest.raises(ValueError, match="packed"):
+        g.external("q4k", N.DType.Q4_K, [16, 256], np.zeros((16, 144), np.uint8), packed=True)
+    with pytest.raises(ValueError, match="packed"):
+        g.external("odd", Q4_1, [24, 64], np.zeros((24, 40), np.uint8), packed=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        N.pack_x16(Q4_1, np.zeros((24, 40), np.uint8), 24, 64)
