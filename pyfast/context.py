@@ -91,6 +91,7 @@ class Context:
         self.n_plan_builds = 0
         self.t_compute = 0.0
         self._out_ids: dict[int, np.ndarray] = {}  # decode_run: rows 0..n-1
+        self._last_plan = None
 
     @property
     def is_recurrent(self) -> bool:
@@ -216,6 +217,13 @@ class Context:
         t0 = time.perf_counter()
         plan.run()
         self.t_compute += time.perf_counter() - t0
+        self._last_plan = plan
+
+    def last_argmax(self) -> np.ndarray:
+        """int32 [n_out]: the first maximum of each logits row of the last plan run (the rows
+        decode_step / decode_run just returned), computed by the plan's threads. A view, valid
+        until the next decode."""
+        return self._last_plan.output("argmax", copy=False)
 
     def decode_step(self, token: int, position: int, seq: int = 0) -> np.ndarray:
         """One generation step: decode `token` at `position` of `seq` and return its logits row

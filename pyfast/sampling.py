@@ -283,11 +283,13 @@ class Sampler:
         out[ids] = pr
         return out
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """Sample one token id from ``logits`` (float32 [n_vocab]) given the token ``history``."""
+    def sample(self, logits: np.ndarray, history: Sequence[int] = (), argmax: int | None = None) -> int:
+        """Sample one token id from ``logits`` (float32 [n_vocab]) given the token ``history``.
+        argmax: the row's first maximum when the caller has it (the plan computes it)."""
         if self._plain_greedy and type(logits) is np.ndarray and logits.dtype == np.float32 \
                 and logits.shape == (self.n_vocab,):
-            i = int(logits.argmax())  # the per-token fast path: nothing modifies the logits
+            # the per-token fast path: nothing modifies the logits
+            i = int(logits.argmax()) if argmax is None else int(argmax)
             if np.isfinite(logits[i]):
                 return i
         p = self.params

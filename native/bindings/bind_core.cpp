@@ -160,6 +160,38 @@ void bind_core(py::module_& m) {
      "kv_prepare_one for n consecutive positions pos0.. of one sequence (a verify batch): claims the cells "
      "(written to idx), writes the n mask rows (row t at mask[t * n_kv:]) and the cell order; returns n_kv, "
      "or -1 when the cache is full (then nothing is written).");
+  m.def("kv_truncate", [](py::array_t<int32_t, py::array::c_style> cell_pos, py::array_t<int32_t, py::array::c_style> cell_seq,
+                          int64_t used_top, int32_t seq, int32_t p) -> int64_t {
+    const int64_t n_ctx = cell_pos.shape(0);
+    if (cell_seq.shape(0) != n_ctx || used_top < 0 || used_top > n_ctx)
+      throw std::invalid_argument("kv_truncate: inconsistent arguments");
+    int32_t* cp = cell_pos.mutable_data();
+    int32_t* cs = cell_seq.mutable_data();
+    for (int64_t c = 0; c < used_top; ++c)
+      if (cs[c] == seq && cp[c] >= p) cp[c] = cs[c] = -1;
+    while (used_top > 0 && cp[used_top - 1] < 0) --used_top;
+    return used_top;
+  }, py::arg("cell_pos"), py::arg("cell_seq"), py::arg("used_top"), py::arg("seq"), py::arg("p"),
+     "Frees the cells of sequence seq at positions >= p (below used_top); returns the new used_top (one past "
+     "the highest used cell).");
+  m.def("ngram_last_match", [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> h, int64_t n) -> int64_t {
+    // The end j (n-1 <= j <= L-2) of the most recent earlier occurrence of the last n tokens, or -1.
+    if (h.ndim() != 1) throw std::invalid_argument("ngram_last_match: tokens must be 1-D");
+    if (n < 1) throw std::invalid_argument("ngram_last_match: n must be >= 1");
+    const int64_t L = h.shape(0);
+    const int32_t* t = h.data();
+    if (L < n + 1) return -1;
+    const int32_t* key = t + L - n;
+    for (int64_t j = L - 2; j >= n - 1; --j) {
+      if (t[j] != key[n - 1]) continue;
+      int64_t o = 1;
+      while (o < n && t[j - o] == key[n - 1 - o]) ++o;
+      if (o == n) return j;
+    }
+    return -1;
+  }, py::arg("tokens"), py::arg("n"),
+     "Prompt lookup: the index j (n-1 <= j <= len-2) where the most recent earlier occurrence of the last n "
+     "tokens ends, or -1.");
   m.def("exp_f32", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
     const int64_t n = x.size();
     py::array_t<float> out(n);

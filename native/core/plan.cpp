@@ -109,6 +109,7 @@ OpProfile g_profile;
 }  // namespace
 
 bool cpu_matmul_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/matmul.cpp
+bool cpu_argmax_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/elementwise.cpp
 bool cpu_matmul_fusable(const Node& a, const Node* const* asrc, const Node& b, const Node* const* bsrc);
 void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* const* ws, int nw, const Node& x);
 
@@ -121,10 +122,12 @@ bool op_shareable(const Node& nd, const Node* const* srcs, int nth) {
   switch (nd.op) {
     case Op::get_rows: case Op::add: case Op::mul: case Op::scale: case Op::rms_norm: case Op::rope:
     case Op::softmax: case Op::attention: case Op::silu: case Op::swiglu: case Op::set_rows: case Op::cpy:
-    case Op::argmax: case Op::sigmoid: case Op::softplus: case Op::l2_norm: case Op::concat: case Op::sum:
+    case Op::sigmoid: case Op::softplus: case Op::l2_norm: case Op::concat: case Op::sum:
       return true;
     case Op::matmul:
       return !cpu_matmul_syncs(nd, srcs, nth);
+    case Op::argmax:
+      return !cpu_argmax_syncs(nd, srcs, nth);
     default:
       return false;
   }

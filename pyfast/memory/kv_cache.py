@@ -79,12 +79,8 @@ class KVCache:
 
     def truncate(self, seq: int, p: int) -> None:
         """Remove positions >= p of sequence `seq`."""
-        top = self._used_top  # cells past it are free
-        cs, cp = self.cell_seq[:top], self.cell_pos[:top]
-        sel = (cs == seq) & (cp >= p)
-        cp[sel] = -1
-        cs[sel] = -1
-        self._shrink()
+        self._used_top = native.kv_truncate(self.cell_pos, self.cell_seq, self._used_top, int(seq),
+                                             min(max(int(p), 0), 2**31 - 1))
 
     def remove_seq(self, seq: int) -> None:
         self.truncate(seq, 0)

@@ -74,13 +74,15 @@ class Model:
         return str(self.metadata.get("general.name") or os.path.basename(self.path))
 
     def build(self, shape: BatchShape, kv, rec=None, export_hidden: bool = False):
-        """A graph for one batch shape; returns the builder (its .g has output 'logits', and
-        'hidden' [n_tokens, n_embd] with export_hidden)."""
+        """A graph for one batch shape; returns the builder (its .g has outputs 'logits', 'argmax'
+        (int32, each logits row's first maximum), and 'hidden' [n_tokens, n_embd] with
+        export_hidden)."""
         if export_hidden and not self.supports_hidden:
             raise ValueError(f"{self.path}: architecture {self.arch.ARCH!r} cannot export hidden rows")
         b = GraphBuilder(self.weights, shape, kv, rec=rec, export_hidden=export_hidden)
         logits = self.arch.build(b, self.args)
         b.g.output(logits, "logits")
+        b.g.output(b.g.argmax(logits), "argmax")  # greedy decoding reads this instead of the rows
         return b
 
     @property

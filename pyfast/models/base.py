@@ -139,7 +139,9 @@ class Weights:
 
     def _unpacked(self, name: str) -> np.ndarray:
         shape = self.shape(name)
-        return native.unpack_x16(self.dtype(name), self._raw(name), int(shape[0]), int(shape[1])).reshape(-1)
+        out = native.unpack_x16(self.dtype(name), self._raw(name), int(shape[0]), int(shape[1])).reshape(-1)
+        out.flags.writeable = False
+        return out
 
     def _file_bytes(self, name: str) -> np.ndarray:
         """The bytes as in the file without handing the tensor out (a copy when it is packed)."""

@@ -259,11 +259,14 @@ class SpecDecoder:
         # a draft longer than the memory can roll back: keep the state to restore (recurrent only)
         limit = getattr(ctx, "rollback_limit", float("inf"))
         saved = {s.seq: ctx.save_state(s.seq, kv=False) for s, m in zip(slots, lens) if m - 1 > limit}
+        argmax = None
         if len(slots) == 1:  # the usual case: the short paths (native KV bookkeeping, no logits copy)
             if T == 1:
                 logits = ctx.decode_step(int(toks[0]), int(pos[0]), slots[0].seq)[None]
             else:
                 logits = ctx.decode_run(toks, int(pos[0]), slots[0].seq)
+            if ctx.rec is None and not ctx.export_hidden:
+                argmax = ctx.last_argmax()  # every row's, from the plan (greedy verification)
         else:
             logits = ctx.decode(toks, positions=pos, seq_ids=seqs, logits="all")
         hidden = getattr(ctx, "last_hidden", None)  # the verify rows' (export_hidden), for process()
@@ -274,7 +277,7 @@ class SpecDecoder:
         o = 0
         for s, d, w, key, m in zip(slots, drafts, winners, keys, lens):
             res = verify(logits[o: o + m], d.tokens if d is not None else _EMPTY, s.sampler, s.tokens,
-                         d.probs if d is not None else None)
+                         d.probs if d is not None else None, argmax)
             k = res.n_accepted
             if k < m - 1:
                 try:

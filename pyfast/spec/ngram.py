@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pyfast._loader import native
 from pyfast.spec.base import Draft, DraftRequest, Proposer
 
 _P = np.uint64(0x100000001B3)            # polynomial base of the n-gram hash (odd)
@@ -45,7 +46,14 @@ def bucket_of(h: np.ndarray, bits: int) -> np.ndarray:
 
 def _find_last_match(h: np.ndarray, n: int) -> int:
     """Index j (n-1 <= j <= L-2) of the end of the most recent earlier occurrence of the last n
-    tokens of h, or -1."""
+    tokens of h, or -1 (natively for int32 tokens: a backward scan that stops at the first hit)."""
+    if h.dtype == np.int32:
+        return native.ngram_last_match(h, n)
+    return _find_last_match_np(h, n)
+
+
+def _find_last_match_np(h: np.ndarray, n: int) -> int:
+    """_find_last_match in numpy (any integer dtype; the reference the tests compare against)."""
     L = h.size
     if L < n + 1:
         return -1

@@ -50,8 +50,10 @@ def has_penalties(p: SamplingParams) -> bool:
 
 
 def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.ndarray,
-           draft_probs: np.ndarray | None = None) -> VerifyResult:
+           draft_probs: np.ndarray | None = None, argmax: np.ndarray | None = None) -> VerifyResult:
     """Verify ``draft`` (N token ids) against the target's ``rows`` (float32 [N+1, n_vocab]).
+    argmax: each row's first maximum when the caller has it (the plan computes it; greedy reads
+    it instead of scanning the rows).
 
     history: the sequence before the verify batch, ending with id_last ([..., id_last]); the
     penalty history of row i is ``history + draft[:i]``. With draft_probs ([N, n_vocab], row i =
@@ -64,7 +66,7 @@ def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.nd
         raise ValueError(f"verify: {n} draft tokens need {n + 1} logit rows, got {rows.shape[0]}")
     params = sampler.params
     if n == 0:  # no draft: plain decoding, the sampled token is the bonus token
-        return VerifyResult([sampler.sample(rows[0], history)], 0, BONUS)
+        return VerifyResult([sampler.sample(rows[0], history, None if argmax is None else argmax[0])], 0, BONUS)
     pen = has_penalties(params)
     if pen and n:
         ext = np.concatenate([np.asarray(history, dtype=np.int64).reshape(-1), draft.astype(np.int64)])
@@ -76,8 +78,15 @@ def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.nd
         return ext[: n_hist + i] if pen else ext
 
     if params.greedy:
-        if not pen:  # row by row: the rows after the first mismatch are never scanned
-            for i in range(n):
+        if not pen:
+            if argmax is not None:  # the plan's argmax of every row
+                am = argmax[: n + 1].tolist()
+                dl = draft.tolist()
+                for i in range(n):
+                    if am[i] != dl[i]:
+                        return VerifyResult(dl[:i] + [am[i]], i, RECOVERED)
+                return VerifyResult(dl + [am[n]], n, BONUS)
+            for i in range(n):  # row by row: the rows after the first mismatch are never scanned
                 t = int(rows[i].argmax())
                 if t != draft[i]:
                     return VerifyResult(draft[:i].tolist() + [t], i, RECOVERED)

@@ -266,6 +266,14 @@ def _cases() -> list[Case]:
         Case("argmax", (Arg((65,)),), tol=EXACT),
         Case("argmax", (Arg((9, 65), F32, choice([-1.0, 0.0, 2.0])),), tol=EXACT, label="ties"),
         Case("argmax", (Arg((33, 7), layout=permuted(1, 0)),), tol=EXACT),
+        # logits-sized rows: split by columns over threads, then combined (first maximum wins)
+        Case("argmax", (Arg((3, 5000), F32, choice([-1.0, 0.0, 2.0])),), tol=EXACT, label="long ties"),
+        Case("argmax", (Arg((1, 49152)),), tol=EXACT, label="one long row"),
+        Case("argmax", (Arg((17, 4099), layout=padded((1, 5), step=2)),), tol=EXACT, label="long strided"),
+        # NaN: numpy's answer is the first NaN (rows of 100 values hold one about every 400th)
+        Case("argmax", (Arg((40, 100), F32, choice([0.0, 1.0] * 200 + [float("nan")])),), tol=EXACT, label="nan"),
+        Case("argmax", (Arg((4, 4500), F32, choice([0.0, 1.0] * 2000 + [float("nan")])),), tol=EXACT,
+             label="long nan"),
         Case("argmax", (Arg((3, 4, 33), normal(1.0, -50.0), layout=padded((1, 1, 4), step=2)),), tol=EXACT),
     ]
 

@@ -184,3 +184,25 @@ def test_hash_helpers_agree_with_rolling_hash():
 def test_bad_key_length(cls):
     with pytest.raises(ValueError, match="key length"):
         cls(n=0)
+
+
+def test_last_match_native_equals_numpy_and_brute_force():
+    """The native prompt-lookup scan finds the same occurrence as the numpy version and a plain
+    loop, on short random token strings over small alphabets (many repeats)."""
+    from pyfast.spec.ngram import _find_last_match, _find_last_match_np
+
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        L = int(rng.integers(1, 60))
+        h = rng.integers(0, int(rng.integers(2, 6)), size=L).astype(np.int32)
+        for n in (1, 2, 3, 4, 6):
+            want = -1
+            for j in range(L - 2, n - 2, -1):
+                if j - n + 1 >= 0 and list(h[j - n + 1:j + 1]) == list(h[L - n:]):
+                    want = j
+                    break
+            if L < n + 1:
+                want = -1
+            assert _find_last_match(h, n) == want, (h.tolist(), n)
+            assert _find_last_match_np(h, n) == want, (h.tolist(), n)
+            assert _find_last_match_np(h.astype(np.int64), n) == want

@@ -137,14 +137,47 @@ def test_models_of_one_file_share_the_weights_in_memory(smollm2_path):
     the same file, another LLM) shares it, also after the first one is gone."""
     import gc
     from pyfast.models import Model
+    def at(m, name):  # the bytes graphs read (packed or not: the same for every sharer)
+        data, packed = m.weights.matmul_data(name)
+        return data.ctypes.data, packed
+
     a, b = Model(smollm2_path, mmap=False), Model(smollm2_path, mmap=False)
-    addr = a.weights.data("token_embd.weight").ctypes.data
-    assert b.weights.data("token_embd.weight").ctypes.data == addr
+    addr = at(a, "token_embd.weight")
+    assert at(b, "token_embd.weight") == addr
     del a
     gc.collect()
     c = Model(smollm2_path, mmap=False)
-    assert c.weights.data("blk.0.attn_q.weight").ctypes.data == b.weights.data("blk.0.attn_q.weight").ctypes.data
-    assert c.weights.data("token_embd.weight").ctypes.data == addr
+    assert at(c, "blk.0.attn_q.weight") == at(b, "blk.0.attn_q.weight")
+    assert at(c, "token_embd.weight") == addr
+
+
+def test_packed_weights_give_the_same_logits(smollm2_path, tmp_path):
+    """In memory, matmul weights are packed (x16) at the first graph build where the kernels read
+    that layout; the logits equal those of the mapped (row-major) file bit for bit, for one and
+    several rows, and data() still gives the file's bytes."""
+    import shutil
+    from pyfast.context import Context
+    from pyfast.models import Model
+    from pyfast.models.base import packing_enabled
+    fresh = tmp_path / "copy.gguf"  # its own in-memory copy (other tests may hold the file's)
+    shutil.copyfile(smollm2_path, fresh)
+    mem, mapped = Model(fresh, mmap=False), Model(smollm2_path, mmap=True)
+    cm, cf = Context(mem, n_ctx=64, n_threads=2), Context(mapped, n_ctx=64, n_threads=2)
+    prompt = [1, 504, 3458, 282, 2940, 30]
+    np.testing.assert_array_equal(cm.decode(prompt, seq_ids=0, logits="all"), cf.decode(prompt, seq_ids=0, logits="all"))
+    for n in (1, 2, 5):
+        toks = np.array([504, 3458, 282, 2940, 30][:n], dtype=np.int32)
+        a = cm.decode_run(toks, len(prompt), 0).copy()
+        b = cf.decode_run(toks, len(prompt), 0).copy()
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(cm.last_argmax(), a.argmax(axis=1))
+        cm.truncate(0, len(prompt))
+        cf.truncate(0, len(prompt))
+    packed = mem.weights._pack.packed
+    if packing_enabled():
+        assert "token_embd.weight" in packed and "blk.0.ffn_up.weight" in packed
+    for name in ("token_embd.weight", "blk.0.ffn_up.weight", "blk.3.attn_v.weight"):
+        assert np.array_equal(mem.weights.data(name), mapped.weights.data(name)), name
 
 
 def test_weights_are_mapped_when_memory_is_short(smollm2_path, monkeypatch):

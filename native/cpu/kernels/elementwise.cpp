@@ -1,6 +1,7 @@
 // Elementwise and data-movement kernels: add, mul, scale, silu, swiglu, sigmoid, softplus, cpy,
 // get_rows, set_rows, concat, argmax, sum. Work is split over output rows; a reduction (argmax,
 // sum) reads only the input elements of its own output element, in a fixed order.
+#include <algorithm>
 #include <stdexcept>
 #include <cmath>
 #include <cstring>
@@ -9,6 +10,10 @@
 #include "cpu/kernels/common.h"
 #include "cpu/kernels/vexp.h"
 #include "cpu/quant/quant.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace pyfast {
 
@@ -43,6 +48,75 @@ __attribute__((target("avx2,fma"))) int64_t silu_mul_avx2(const float* x, const 
   return i;
 }
 #endif
+
+// Largest value of x[0..n) (contiguous) and whether a NaN occurs, 16 / 8 lanes at a time; returns
+// how many elements it covered (the caller finishes the rest).
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) int64_t max_scan_avx512(const float* x, int64_t n, float& mx, bool& nan) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  __mmask16 un = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(v, m);
+  }
+  mx = _mm512_reduce_max_ps(m);
+  nan = un != 0;
+  return i;
+}
+__attribute__((target("avx2"))) int64_t max_scan_avx2(const float* x, int64_t n, float& mx, bool& nan) {
+  __m256 m = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(v, m);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, m);
+  mx = t[0];
+  for (int l = 1; l < 8; ++l) mx = t[l] > mx ? t[l] : mx;
+  nan = _mm256_movemask_ps(un) != 0;
+  return i;
+}
+#endif
+
+// numpy's argmax of x[c0..c1) (stride ia): the first NaN if there is one, else the first maximum;
+// -1 for an empty range. bv gets the value.
+int64_t argmax_range(const float* x, int64_t ia, int64_t c0, int64_t c1, CpuIsa isa, float& bv) {
+  if (c1 <= c0) return -1;
+  if (ia == 1) {  // two passes: the maximum (vectorized), then where it first occurs
+    float mx = -INFINITY;
+    bool nan = false;
+    int64_t i = 0;
+    const int64_t n = c1 - c0;
+    const float* y = x + c0;
+#if defined(__x86_64__)
+    if (isa == CpuIsa::avx512) i = max_scan_avx512(y, n, mx, nan);
+    else if (isa == CpuIsa::avx2) i = max_scan_avx2(y, n, mx, nan);
+#else
+    (void)isa;
+#endif
+    for (; i < n; ++i) {
+      nan |= y[i] != y[i];
+      mx = y[i] > mx ? y[i] : mx;
+    }
+    for (i = 0; i < n; ++i)
+      if (nan ? y[i] != y[i] : y[i] == mx) break;
+    bv = y[i];
+    return c0 + i;
+  }
+  int64_t best = c0;
+  bv = x[c0 * ia];
+  if (bv != bv) return best;
+  for (int64_t i = c0 + 1; i < c1; ++i) {
+    const float v = x[i * ia];
+    if (v != v) { bv = v; return i; }
+    if (v > bv) { bv = v; best = i; }
+  }
+  return best;
+}
 
 void silu_mul_row(const float* x, const float* u, float* o, int64_t n, CpuIsa isa) {
   int64_t i = 0;
@@ -239,20 +313,62 @@ void cpu_set_rows(const ComputeParams& p, Node& dst, const Node* const* src) {
   }
 }
 
+// Long rows (logits: the output of a matmul split over threads by 16-column chunks) are split by
+// columns the same way, so each thread scans the part it has just written (in its own cache) and
+// the per-thread maxima are combined after a barrier; short rows are split by rows. Either way
+// the first maximum wins (strict >, columns in order).
+constexpr int64_t kArgmaxColumnSplit = 4096;
+
+bool cpu_argmax_syncs(const Node& dst, const Node* const* src, int nth) {
+  (void)dst;
+  return nth > 1 && src[0]->shape.dims[src[0]->shape.ndim - 1] >= kArgmaxColumnSplit;
+}
+
+size_t cpu_argmax_work_size(const Node& dst, const Node* const* src, int nth) {
+  return cpu_argmax_syncs(dst, src, nth) ? (size_t)nth * (size_t)n_rows(src[0]->shape) * 8 : 0;
+}
+
 void cpu_argmax(const ComputeParams& p, Node& dst, const Node* const* src) {
   const Node* a = src[0];
   const Shape& sa = a->shape;
   const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
   const int64_t ia = inner_stride(sa) / 4;
   int64_t r0, r1;
+  if (cpu_argmax_syncs(dst, src, p.nth)) {
+    int64_t c0, c1;
+    split_range((n + 15) / 16, p.ith, p.nth, c0, c1);
+    c0 *= 16;
+    c1 = std::min(c1 * 16, n);
+    float* pv = reinterpret_cast<float*>(p.wdata);              // [nth][nr] maxima
+    int32_t* pi = reinterpret_cast<int32_t*>(pv + p.nth * nr);   // [nth][nr] their columns
+    for (int64_t r = 0; r < nr; ++r) {
+      float bv = 0.0f;
+      const int64_t best = argmax_range(reinterpret_cast<const float*>(a->data + row_offset(sa, r)), ia, c0, c1,
+                                        p.isa, bv);
+      pv[p.ith * nr + r] = bv;
+      pi[p.ith * nr + r] = (int32_t)best;
+    }
+    p.barrier();
+    split_range(nr, p.ith, p.nth, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) {  // the threads' ranges in column order: the first NaN / maximum wins
+      int32_t best = -1;
+      float bv = 0.0f;
+      for (int t = 0; t < p.nth; ++t) {
+        const int32_t i = pi[t * nr + r];
+        const float v = pv[t * nr + r];
+        if (i < 0 || (best >= 0 && (bv != bv || !(v > bv || v != v)))) continue;
+        bv = v;
+        best = i;
+      }
+      reinterpret_cast<int32_t*>(dst.data)[r] = best;
+    }
+    return;
+  }
   split_range(nr, p.ith, p.nth, r0, r1);
   for (int64_t r = r0; r < r1; ++r) {
-    const float* x = reinterpret_cast<const float*>(a->data + row_offset(sa, r));
-    int64_t best = 0;
-    float bv = x[0];
-    for (int64_t i = 1; i < n; ++i)
-      if (x[i * ia] > bv) { bv = x[i * ia]; best = i; }
-    reinterpret_cast<int32_t*>(dst.data)[r] = (int32_t)best;
+    float bv;
+    reinterpret_cast<int32_t*>(dst.data)[r] =
+        (int32_t)argmax_range(reinterpret_cast<const float*>(a->data + row_offset(sa, r)), ia, 0, n, p.isa, bv);
   }
 }
 
