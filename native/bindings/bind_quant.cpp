@@ -2,6 +2,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -15,6 +16,19 @@ namespace py = pybind11;
 using namespace pyfast;
 
 namespace pyfast_py {
+
+// Bytes of a [nrows, ncols] weight of t that pack_x16 / unpack_x16 accept (the buffer must hold
+// exactly that many); a clear error otherwise.
+static size_t x16_bytes(const char* what, DType t, const py::buffer_info& bi, int64_t nrows, int64_t ncols) {
+  if (!packable(t)) throw std::invalid_argument(std::string("[") + what + "] unsupported dtype " + dtype_name(t));
+  if (nrows <= 0 || nrows % 16 != 0 || ncols <= 0 || ncols % dtype_block_size(t) != 0)
+    throw std::invalid_argument(std::string("[") + what + "] needs rows a multiple of 16 and whole blocks, got " +
+                                std::to_string(nrows) + " x " + std::to_string(ncols));
+  const size_t n = dtype_row_size(t, ncols) * (size_t)nrows;
+  if ((size_t)(bi.size * bi.itemsize) != n)
+    throw std::invalid_argument(std::string("[") + what + "] buffer size does not match the shape");
+  return n;
+}
 
 void bind_quant(py::module_& m) {
   m.def(
@@ -74,17 +88,17 @@ void bind_quant(py::module_& m) {
       "pack_x16",
       [](DType t, py::buffer raw, int64_t nrows, int64_t ncols) {
         py::buffer_info bi = raw.request(true);
-        if (!packable(t)) throw std::invalid_argument(std::string("[pack_x16] unsupported dtype ") + dtype_name(t));
-        if (nrows <= 0 || nrows % 16 != 0 || ncols <= 0 || ncols % dtype_block_size(t) != 0)
-          throw std::invalid_argument("[pack_x16] needs rows a multiple of 16 and whole blocks, got " +
-                                      std::to_string(nrows) + " x " + std::to_string(ncols));
-        const size_t n = dtype_row_size(t, ncols) * (size_t)nrows;
-        if ((size_t)(bi.size * bi.itemsize) != n) throw std::invalid_argument("[pack_x16] buffer size does not match the shape");
+        const size_t n = x16_bytes("pack_x16", t, bi, nrows, ncols);
         uint8_t* p = static_cast<uint8_t*>(bi.ptr);
         {
           py::gil_scoped_release nogil;
-          std::vector<uint8_t> src(p, p + n);
-          pack_x16(t, src.data(), p, nrows, ncols);
+          // chunk by chunk: a chunk's packed bytes take its own rows' place (no tensor-sized copy)
+          const size_t cb = n / (size_t)(nrows / 16);
+          std::vector<uint8_t> rows(cb);
+          for (size_t o = 0; o < n; o += cb) {
+            std::memcpy(rows.data(), p + o, cb);
+            pack_x16(t, rows.data(), p + o, 16, ncols);
+          }
         }
       },
       py::arg("dtype"), py::arg("raw"), py::arg("n_rows"), py::arg("n_cols"),
@@ -95,12 +109,8 @@ void bind_quant(py::module_& m) {
       "unpack_x16",
       [](DType t, py::buffer raw, int64_t nrows, int64_t ncols) {
         py::buffer_info bi = raw.request();
-        if (!packable(t)) throw std::invalid_argument(std::string("[unpack_x16] unsupported dtype ") + dtype_name(t));
-        if (nrows <= 0 || nrows % 16 != 0 || ncols <= 0 || ncols % dtype_block_size(t) != 0)
-          throw std::invalid_argument("[unpack_x16] needs rows a multiple of 16 and whole blocks");
+        x16_bytes("unpack_x16", t, bi, nrows, ncols);
         const size_t rb = dtype_row_size(t, ncols);
-        if ((size_t)(bi.size * bi.itemsize) != rb * (size_t)nrows)
-          throw std::invalid_argument("[unpack_x16] buffer size does not match the shape");
         py::array_t<uint8_t> out({(py::ssize_t)nrows, (py::ssize_t)rb});
         const uint8_t* s = static_cast<const uint8_t*>(bi.ptr);
         uint8_t* d = out.mutable_data();
