@@ -192,6 +192,42 @@ void bind_core(py::module_& m) {
   }, py::arg("tokens"), py::arg("n"),
      "Prompt lookup: the index j (n-1 <= j <= len-2) where the most recent earlier occurrence of the last n "
      "tokens ends, or -1.");
+  m.def("ngram_match_length", [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> h, int64_t j,
+                                  int64_t limit) -> int64_t {
+    // How many tokens ending at j equal the tokens ending at the sequence end (at most limit, j + 1).
+    if (h.ndim() != 1) throw std::invalid_argument("ngram_match_length: tokens must be 1-D");
+    const int64_t L = h.shape(0);
+    if (j < 0 || j >= L) throw std::invalid_argument("ngram_match_length: j out of range");
+    const int32_t* t = h.data();
+    const int64_t m = std::min(limit, j + 1);
+    int64_t k = 0;
+    while (k < m && t[j - k] == t[L - 1 - k]) ++k;
+    return k;
+  }, py::arg("tokens"), py::arg("j"), py::arg("limit"),
+     "Prompt lookup: the length of the common suffix of tokens[:j+1] and tokens (at most limit).");
+  m.def("ngram_local_match", [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> h, int64_t n,
+                                int64_t n_local, int64_t expect) -> int64_t {
+    // ngram-simple's re-sync search (pyfast/spec/ngram.py, NgramSimple._local_match): for key
+    // lengths m = n-1 .. n_local, the end e nearest to `expect` (within min(8, 2^m), the lower e
+    // on a tie) of an occurrence of the last m tokens; returns e + 1, or -1.
+    if (h.ndim() != 1) throw std::invalid_argument("ngram_local_match: tokens must be 1-D");
+    const int64_t L = h.shape(0);
+    const int32_t* t = h.data();
+    for (int64_t m = n - 1; m >= std::max<int64_t>(n_local, 1); --m) {
+      const int64_t w = std::min<int64_t>(8, (int64_t)1 << std::min<int64_t>(m, 4));
+      const int64_t e0 = std::max(m - 1, expect - w), e1 = std::min(L - 2, expect + w);
+      int64_t best = -1;
+      for (int64_t e = e0; e <= e1; ++e) {
+        if (e - m + 1 < 0) continue;
+        int64_t k = 0;
+        while (k < m && t[e - k] == t[L - 1 - k]) ++k;
+        if (k == m && (best < 0 || std::llabs(e - expect) < std::llabs(best - expect))) best = e;
+      }
+      if (best >= 0) return best + 1;
+    }
+    return -1;
+  }, py::arg("tokens"), py::arg("n"), py::arg("n_local"), py::arg("expect"),
+     "ngram-simple's re-sync search near an expected source position (see NgramSimple._local_match).");
   m.def("exp_f32", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
     const int64_t n = x.size();
     py::array_t<float> out(n);

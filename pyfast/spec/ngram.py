@@ -68,11 +68,35 @@ def _find_last_match_np(h: np.ndarray, n: int) -> int:
 
 def _match_length(h: np.ndarray, j: int, limit: int = 64) -> int:
     """How many tokens ending at j equal the tokens ending at the sequence end (<= limit)."""
+    if h.dtype == np.int32:
+        return native.ngram_match_length(h, j, limit)
     m = min(limit, j + 1)
     a = h[j - m + 1: j + 1][::-1]
     b = h[h.size - m:][::-1]
     diff = np.flatnonzero(a != b)
     return int(diff[0]) if diff.size else m
+
+
+def _local_search(h: np.ndarray, n: int, n_local: int, expect: int) -> int:
+    """The re-sync search of NgramSimple._local_match in Python (the reference for the native
+    one): for key lengths m = n-1 .. n_local, the occurrence of the last m tokens ending nearest
+    to `expect` (within min(8, 2^m); the lower end on a tie); returns its end + 1, or -1."""
+    L = h.size
+    lo_all = max(0, expect - 8 - n)
+    seg = h[lo_all: min(L - 1, expect + 9)].tolist()  # a few dozen tokens: plain Python
+    tail = h[L - n:].tolist()
+    for m in range(n - 1, n_local - 1, -1):
+        w = min(8, 2 ** m)
+        key = tail[n - m:]
+        best = -1
+        for e in range(max(m - 1, expect - w), min(L - 2, expect + w) + 1):
+            i = e - lo_all  # e: where the key would end in the source; keep the nearest hit
+            hit = i - m + 1 >= 0 and seg[i - m + 1: i + 1] == key
+            if hit and (best < 0 or abs(e - expect) < abs(best - expect)):
+                best = e
+        if best >= 0:
+            return best + 1
+    return -1
 
 
 class NgramSimple(Proposer):
@@ -138,21 +162,9 @@ class NgramSimple(Proposer):
             del self._anchor[seq]
             return -1
         expect = a[0] + (L - a[1]) - 1  # where the sequence's last token sits in the source
-        lo_all = max(0, expect - 8 - self.n)
-        seg = h[lo_all: min(L - 1, expect + 9)].tolist()  # a few dozen tokens: plain Python
-        tail = h[L - self.n:].tolist()
-        for m in range(self.n - 1, self.n_local - 1, -1):
-            w = min(8, 2 ** m)
-            key = tail[self.n - m:]
-            best = -1
-            for e in range(max(m - 1, expect - w), min(L - 2, expect + w) + 1):
-                i = e - lo_all  # e: where the key would end in the source; keep the nearest hit
-                hit = i - m + 1 >= 0 and seg[i - m + 1: i + 1] == key
-                if hit and (best < 0 or abs(e - expect) < abs(best - expect)):
-                    best = e
-            if best >= 0:
-                return best + 1
-        return -1
+        if h.dtype == np.int32:
+            return native.ngram_local_match(h, self.n, self.n_local, expect)
+        return _local_search(h, self.n, self.n_local, expect)
 
     def draft(self, requests: list[DraftRequest]) -> list[Draft | None]:
         out: list[Draft | None] = []

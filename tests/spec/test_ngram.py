@@ -206,3 +206,25 @@ def test_last_match_native_equals_numpy_and_brute_force():
             assert _find_last_match(h, n) == want, (h.tolist(), n)
             assert _find_last_match_np(h, n) == want, (h.tolist(), n)
             assert _find_last_match_np(h.astype(np.int64), n) == want
+
+
+def test_resync_search_and_match_length_native_equal_python():
+    """The native re-sync search and suffix-match length give the Python versions' answers on
+    random short token strings (small alphabets, so keys recur near the expected position)."""
+    from pyfast.spec import ngram as NG
+
+    rng = np.random.default_rng(11)
+    for trial in range(500):
+        L = int(rng.integers(2, 50))
+        h = rng.integers(0, int(rng.integers(2, 5)), size=L).astype(np.int32)
+        for n in (2, 3, 4, 5):
+            if L < n + 1:  # an anchor exists only after a match, so the history is longer than the key
+                continue
+            for n_local in range(1, n):
+                expect = int(rng.integers(-2, L + 3))
+                assert NG.native.ngram_local_match(h, n, n_local, expect) == NG._local_search(h, n, n_local, expect), \
+                    (h.tolist(), n, n_local, expect)
+        for j in range(L):
+            for limit in (1, 4, 64):
+                want = NG._match_length(h.astype(np.int64), j, limit)
+                assert NG._match_length(h, j, limit) == want, (h.tolist(), j, limit)
