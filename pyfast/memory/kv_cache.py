@@ -69,6 +69,13 @@ class KVCache:
     def n_used(self) -> int:
         return int(np.count_nonzero(self.cell_pos[: self._used_top] >= 0))  # cells past it are free
 
+    def free_cells(self, need: int) -> int:
+        """min(need, free cells), counting the used ones only when the cells past the highest used
+        one are not enough (the per-round check of the speculative loop)."""
+        if self.n_ctx - self._used_top >= need:
+            return need
+        return min(need, self.n_ctx - self.n_used)
+
     def seq_pos_max(self, seq: int) -> int:
         """Largest position stored for `seq`, or -1 when it has none."""
         sel = self.cell_seq[: self._used_top] == seq

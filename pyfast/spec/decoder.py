@@ -188,7 +188,7 @@ class SpecDecoder:
         keys: list[str | None] = [None] * B
         if not self.proposers:
             return drafts, winners, keys
-        free = ctx.n_ctx - ctx.kv.n_used - B  # cells left after one per sequence
+        free = ctx.kv.free_cells(B * (self.n_max + 1)) - B  # cells left after one per sequence
         caps = []
         for s in slots:
             cap = min(self.n_max, ctx.n_ctx - s.n - 1, max(free, 0))
@@ -236,9 +236,11 @@ class SpecDecoder:
         """One round for each slot (all in one target decode); returns each slot's new tokens:
         its accepted draft tokens followed by one recovered or bonus token."""
         ctx = self.ctx
-        if ctx.n_ctx - ctx.kv.n_used < len(slots):
+        if ctx.kv.free_cells(len(slots)) < len(slots):
             raise KVCacheFull(f"KV cache is full: {ctx.n_ctx} cells, {ctx.kv.n_used} used, "
                               f"{len(slots)} sequences to advance")
+        if len(slots) == 1 and ctx.rec is None and not ctx.export_hidden:
+            return [self._step_one(slots[0])]
         t0 = time.perf_counter()
         drafts, winners, keys = self._draft(slots)
         t1 = time.perf_counter()
@@ -313,3 +315,47 @@ class SpecDecoder:
         self.stats.t_draft += t1 - t0
         self.stats.t_verify += t2 - t1
         return out
+
+    def _step_one(self, s: Slot) -> list[int]:
+        """step() for one sequence of a KV-cache model (the usual case), with the least Python
+        per round: the same draft, decode, verification and bookkeeping."""
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        drafts, winners, keys = self._draft([s])
+        t1 = time.perf_counter()
+        d, w = drafts[0], winners[0]
+        n_past = s.n - 1
+        if d is None:
+            m, dt, probs = 1, _EMPTY, None
+            toks = s._buf[n_past: s.n].copy()
+            logits = ctx.decode_step(int(toks[0]), n_past, s.seq)[None]
+        else:
+            dt, probs = d.tokens, d.probs
+            m = 1 + len(dt)
+            toks = np.empty(m, dtype=np.int32)
+            toks[0] = s._buf[n_past]
+            toks[1:] = dt
+            logits = ctx.decode_run(toks, n_past, s.seq)
+        res = verify(logits, dt, s.sampler, s.tokens, probs, ctx.last_argmax())
+        k = res.n_accepted
+        if k < m - 1:
+            ctx.truncate(s.seq, s.n + k)  # keep id_last and the k accepted tokens
+        s._push(res.tokens)
+        name = w.name if w is not None else None
+        s.stats.record_round(name, m - 1, k)
+        self.stats.record_round(name, m - 1, k)
+        for p in self.proposers:
+            p.accept(s.seq, k, other=p is not w)
+        if self.adaptive is not None and w is not None:
+            self.adaptive.update(s.estimates, keys[0], m - 1, k)
+        if self.proposers:
+            batch = DecodeBatch("verify", np.full(m, s.seq, dtype=np.int32), toks,
+                                np.arange(n_past, n_past + m, dtype=np.int32), {s.seq: k})
+            for p in self.proposers:
+                p.process(batch)
+        t2 = time.perf_counter()
+        s.stats.t_draft += t1 - t0
+        s.stats.t_verify += t2 - t1
+        self.stats.t_draft += t1 - t0
+        self.stats.t_verify += t2 - t1
+        return res.tokens
