@@ -100,6 +100,8 @@ class SpecDecoder:
             bind = getattr(p, "bind_target", None)
             if bind is not None:
                 bind(ctx)
+        # the proposers that look at decoded batches (Proposer.process overridden)
+        self._processing = [p for p in self.proposers if type(p).process is not Proposer.process]
         self.stats = SpecStats()  # cumulative over every slot and request
         self.slots: dict[int, Slot] = {}
         self.adaptive: AdaptiveController | None = None
@@ -348,10 +350,10 @@ class SpecDecoder:
             p.accept(s.seq, k, other=p is not w)
         if self.adaptive is not None and w is not None:
             self.adaptive.update(s.estimates, keys[0], m - 1, k)
-        if self.proposers:
+        if self._processing:
             batch = DecodeBatch("verify", np.full(m, s.seq, dtype=np.int32), toks,
                                 np.arange(n_past, n_past + m, dtype=np.int32), {s.seq: k})
-            for p in self.proposers:
+            for p in self._processing:
                 p.process(batch)
         t2 = time.perf_counter()
         s.stats.t_draft += t1 - t0
