@@ -373,12 +373,15 @@ void Plan::run() {
   std::exception_ptr err;
   std::mutex err_mu;
   std::atomic<uint32_t> done{0};  // shares finished, all nodes so far
+  static std::atomic<uint64_t> g_runs{0};
+  const uint64_t run_id = g_runs.fetch_add(1, std::memory_order_relaxed) + 1;
   auto body = [&](int ith) {
     ComputeParams p;
     p.ith = ith;
     p.nth = nth;
     p.pool = pool_.get();
     p.isa = isa;
+    p.run_id = run_id;
     const Node* srcs[kMaxSrc];
     auto share = [&](size_t k, int s) {
       Node& nd = nodes[exec_[k]];

@@ -292,3 +292,48 @@ def test_row_reductions_do_not_depend_on_the_batch(op, isa):
     full = run(x, 3)
     for r in (0, 17, 36):
         _same(run(x[r:r + 1], 1)[0], full[r], f"{op} row {r} alone vs in batch")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_layers_sharing_a_mask_equal_separate_ops(isa):
+    """Layers of one plan share the mask and order inputs, and the AVX-512 path reuses a tile's
+    walk list across heads and layers within a run. Two masks, four attention ops (two per mask,
+    different q / k / v), the plan run twice with new masks: every output equals the op run alone."""
+    rng = np.random.default_rng(21)
+    T, n_kv = 9, 40
+    order = rng.permutation(n_kv).astype(np.int32)
+
+    def masks():
+        out = []
+        for _ in range(2):
+            m = np.full((T, n_kv), -np.inf, np.float32)
+            vis = rng.permutation(n_kv)[: int(rng.integers(12, 30))]
+            for t in range(T):  # token t sees a growing prefix of its visible cells in walk order
+                cells = [c for c in order if c in set(vis)][: 5 + 2 * t]
+                m[t, cells] = 0.0
+            out.append(m)
+        return out
+
+    qkv = [(rng.standard_normal((T, HQ, D)).astype(np.float32), rng.standard_normal((n_kv, HKV, D)).astype(np.float32),
+            rng.standard_normal((n_kv, HKV, D)).astype(np.float32)) for _ in range(4)]
+    g = N.Graph()
+    mts = [g.input(f"mask{i}", F32, [T, n_kv]) for i in range(2)]
+    ot = g.input("order", I32, [n_kv])
+    for i in range(4):
+        qt = g.input(f"q{i}", F32, [T, HQ, D])
+        kt, vt = g.input(f"k{i}", F32, [n_kv, HKV, D]), g.input(f"v{i}", F32, [n_kv, HKV, D])
+        g.output(g.attention(qt, kt, vt, mts[i % 2], ot, 0.125), f"o{i}")
+    p = N.Plan(g, pool(2))
+    p.set_input("order", order)
+    for i, (q, k, v) in enumerate(qkv):
+        p.set_input(f"q{i}", q)
+        p.set_input(f"k{i}", k)
+        p.set_input(f"v{i}", v)
+    for run in range(2):
+        ms = masks()
+        for i in range(2):
+            p.set_input(f"mask{i}", ms[i])
+        with using_isa(isa):
+            p.run()
+        for i, (q, k, v) in enumerate(qkv):
+            _same(p.output(f"o{i}"), _attend(q, k, v, ms[i % 2], order, F32, isa, 2), f"{isa} run {run} op {i}")

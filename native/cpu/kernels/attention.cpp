@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #if defined(__x86_64__)
 // GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* temporaries.
@@ -365,6 +367,22 @@ namespace {
 // Floats of one thread's scratch: kCells K rows, kCells V rows, kTileMax accumulators, kTileMax query
 // copies, the [kCells][kTile] scores and kCells mask values of a block.
 // The AVX-512 path also keeps the walk list of a tile (n_kv int32) and kTileMax x 16 weights.
+// The AVX-512 path's walk list of a tile (cells visible to any of its tokens, in walk order) is
+// the same for every KV head and every layer of one plan run: the mask and order inputs are
+// shared. Each thread keeps the lists it made in this run, keyed by the tile's tokens.
+struct WalkEntry {
+  uint64_t run_id = 0;
+  const void* mask = nullptr;
+  const void* order = nullptr;
+  int64_t n_kv = -1, tok0 = -1, tok1 = -1;
+  int64_t nU = 0;
+  bool compat = false, soft = false;
+  int64_t ulen[kTileMax] = {};
+  std::vector<int32_t> list;
+};
+constexpr int kWalkCache = 8;
+thread_local WalkEntry t_walks[kWalkCache];
+
 inline size_t per_thread_floats(int64_t D, int64_t Dv, int64_t n_kv) {
   return (size_t)(kCells * (D + Dv) + kTileMax * Dv + kTileMax * D + kCells * kTile + kCells + 64 + n_kv + kTileMax * 16 + 16);
 }
@@ -494,7 +512,36 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
         return {nU, compat};
       };
       bool soft = false;
-      const auto [nU, compat] = walk(0, nu, soft);
+      int64_t nU = 0;
+      bool compat = false;
+      // reuse this run's list for the same tokens (another head or layer), else make and keep it
+      WalkEntry* hit = nullptr;
+      WalkEntry& slot = t_walks[(size_t)(utok[0] * 131 + utok[nu - 1]) % kWalkCache];
+      if (p.run_id && slot.run_id == p.run_id && slot.mask == M->data && slot.order == (O ? O->data : nullptr) &&
+          slot.n_kv == n_kv && slot.tok0 == utok[0] && slot.tok1 == utok[nu - 1] && utok[nu - 1] - utok[0] == nu - 1)
+        hit = &slot;
+      if (hit) {
+        nU = hit->nU;
+        compat = hit->compat;
+        soft = hit->soft;
+        std::memcpy(ulist, hit->list.data(), (size_t)nU * sizeof(int32_t));
+        for (int u = 0; u < nu; ++u) ulen[u] = hit->ulen[u];
+      } else {
+        std::tie(nU, compat) = walk(0, nu, soft);
+        if (p.run_id && utok[nu - 1] - utok[0] == nu - 1) {
+          slot.run_id = p.run_id;
+          slot.mask = M->data;
+          slot.order = O ? O->data : nullptr;
+          slot.n_kv = n_kv;
+          slot.tok0 = utok[0];
+          slot.tok1 = utok[nu - 1];
+          slot.nU = nU;
+          slot.compat = compat;
+          slot.soft = soft;
+          for (int u = 0; u < nu; ++u) slot.ulen[u] = ulen[u];
+          slot.list.assign(ulist, ulist + nU);
+        }
+      }
       for (int u = 0; u < nu && compat; ++u)
         for (int r = ubeg[u]; r < ubeg[u + 1]; ++r) len[r] = ulen[u];
       if (compat) {

@@ -30,6 +30,7 @@ struct ComputeParams {
   size_t wsize = 0;
   ThreadPool* pool = nullptr;
   CpuIsa isa = CpuIsa::scalar;
+  uint64_t run_id = 0;  // != 0: this plan run's number, unique in the process (per-run caches key on it)
   void barrier() const { if (pool && nth > 1) pool->barrier(); }
 };
 
