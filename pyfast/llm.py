@@ -339,12 +339,14 @@ class LLM:
     def _plain_tokens(self, logits: np.ndarray, sampler: Sampler, history: list[int]) -> Iterator[int]:
         """Plain decoding: sample, hand the token out (the consumer appends it to history), decode it."""
         ctx, am = self.ctx, None
+        greedy = sampler.params.greedy
         while True:
             tok = sampler.sample(logits, history, am)
             yield tok
             self._cached.append(tok)
             logits = ctx.decode_step(tok, len(history) - 1, 0)
-            am = ctx.last_argmax()[0]  # the plan's (the greedy fast path reads it)
+            if greedy:
+                am = ctx.last_argmax()[0]  # the plan's (the greedy fast path reads it)
 
     def _generate(self, ptoks: list[int], max_tokens: int, sp: SamplingParams, stops: list[str],
                   ignore_eos: bool, spec=None) -> Iterator[StreamChunk]:

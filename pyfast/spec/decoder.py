@@ -263,14 +263,11 @@ class SpecDecoder:
         # a draft longer than the memory can roll back: keep the state to restore (recurrent only)
         limit = getattr(ctx, "rollback_limit", float("inf"))
         saved = {s.seq: ctx.save_state(s.seq, kv=False) for s, m in zip(slots, lens) if m - 1 > limit}
-        argmax = None
-        if len(slots) == 1:  # the usual case: the short paths (native KV bookkeeping, no logits copy)
+        if len(slots) == 1:  # one sequence of a recurrent model (KV-only ones take _step_one)
             if T == 1:
                 logits = ctx.decode_step(int(toks[0]), int(pos[0]), slots[0].seq)[None]
             else:
                 logits = ctx.decode_run(toks, int(pos[0]), slots[0].seq)
-            if ctx.rec is None and not ctx.export_hidden:
-                argmax = ctx.last_argmax()  # every row's, from the plan (greedy verification)
         else:
             logits = ctx.decode(toks, positions=pos, seq_ids=seqs, logits="all")
         hidden = getattr(ctx, "last_hidden", None)  # the verify rows' (export_hidden), for process()
@@ -281,7 +278,7 @@ class SpecDecoder:
         o = 0
         for s, d, w, key, m in zip(slots, drafts, winners, keys, lens):
             res = verify(logits[o: o + m], d.tokens if d is not None else _EMPTY, s.sampler, s.tokens,
-                         d.probs if d is not None else None, argmax)
+                         d.probs if d is not None else None)
             k = res.n_accepted
             if k < m - 1:
                 try:
@@ -292,15 +289,8 @@ class SpecDecoder:
                     ctx.restore_state(s.seq, saved[s.seq])  # back to n_past, then replay the kept rows
                     replay.append(np.arange(o, o + k + 1))
             o += m
-            s._push(res.tokens)
             accepted[s.seq] = k
-            name = w.name if w is not None else None
-            s.stats.record_round(name, m - 1, k)
-            self.stats.record_round(name, m - 1, k)
-            for p in self.proposers:
-                p.accept(s.seq, k, other=p is not w)
-            if self.adaptive is not None and w is not None:
-                self.adaptive.update(s.estimates, key, m - 1, k)
+            self._settle(s, w, key, m - 1, res.tokens, k)
             out.append(res.tokens)
         if replay:
             r = np.concatenate(replay)
@@ -308,7 +298,7 @@ class SpecDecoder:
             if hidden is not None:
                 ctx.last_hidden = hidden
         batch = DecodeBatch("verify", seqs, toks, pos, accepted)
-        for p in self.proposers:
+        for p in self._processing:
             p.process(batch)
         t2 = time.perf_counter()
         for s in slots:
@@ -317,6 +307,19 @@ class SpecDecoder:
         self.stats.t_draft += t1 - t0
         self.stats.t_verify += t2 - t1
         return out
+
+    def _settle(self, s: Slot, w: Proposer | None, key: str | None, n_drafted: int, tokens: list[int],
+                k: int) -> None:
+        """After a slot's verification: its new tokens, statistics, the proposers' accept(k) and
+        the adaptive estimates of the winning proposer."""
+        s._push(tokens)
+        name = w.name if w is not None else None
+        s.stats.record_round(name, n_drafted, k)
+        self.stats.record_round(name, n_drafted, k)
+        for p in self.proposers:
+            p.accept(s.seq, k, other=p is not w)
+        if self.adaptive is not None and w is not None:
+            self.adaptive.update(s.estimates, key, n_drafted, k)
 
     def _step_one(self, s: Slot) -> list[int]:
         """step() for one sequence of a KV-cache model (the usual case), with the least Python
@@ -342,14 +345,7 @@ class SpecDecoder:
         k = res.n_accepted
         if k < m - 1:
             ctx.truncate(s.seq, s.n + k)  # keep id_last and the k accepted tokens
-        s._push(res.tokens)
-        name = w.name if w is not None else None
-        s.stats.record_round(name, m - 1, k)
-        self.stats.record_round(name, m - 1, k)
-        for p in self.proposers:
-            p.accept(s.seq, k, other=p is not w)
-        if self.adaptive is not None and w is not None:
-            self.adaptive.update(s.estimates, keys[0], m - 1, k)
+        self._settle(s, w, keys[0], m - 1, res.tokens, k)
         if self._processing:
             batch = DecodeBatch("verify", np.full(m, s.seq, dtype=np.int32), toks,
                                 np.arange(n_past, n_past + m, dtype=np.int32), {s.seq: k})

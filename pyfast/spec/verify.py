@@ -60,17 +60,6 @@ def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.nd
     the distribution draft[i] was drawn from) and a sampling (non-greedy) sampler, rejection
     sampling is used. Uses the sampler's RNG.
     """
-    if (argmax is not None and draft.__class__ is np.ndarray and draft.size
-            and getattr(sampler, "_plain_greedy", False)):
-        n = draft.size  # greedy with the plan's argmax of every row: the short path
-        am = argmax[: n + 1].tolist()
-        dl = draft.tolist()
-        if len(am) != n + 1 or rows.shape[0] != n + 1:
-            raise ValueError(f"verify: {n} draft tokens need {n + 1} logit rows, got {rows.shape[0]}")
-        for i in range(n):
-            if am[i] != dl[i]:
-                return VerifyResult(dl[:i] + [am[i]], i, RECOVERED)
-        return VerifyResult(dl + [am[n]], n, BONUS)
     draft = np.asarray(draft).reshape(-1)
     n = int(draft.size)
     if rows.shape[0] != n + 1:

@@ -119,3 +119,23 @@ def test_stats_invariants_and_merge():
     d = st.to_dict()
     assert d["acceptance"] == pytest.approx(st.accepted / st.drafted)
     assert "accepted per position" in st.summary()
+
+
+def test_greedy_with_the_plans_argmax_equals_scanning_the_rows():
+    """verify(..., argmax=) (the plan's argmax of every row) gives what scanning the rows gives,
+    for drafts that match up to every position, with or without penalties (which must ignore it)."""
+    rng = np.random.default_rng(4)
+    for trial in range(200):
+        n = int(rng.integers(0, 8))
+        rows = rng.standard_normal((n + 1, V)).astype(np.float32)
+        am = rows.argmax(axis=1).astype(np.int32)
+        k = int(rng.integers(0, n + 1))
+        draft = np.concatenate([am[:k], (am[k:n] + 1) % V]).astype(np.int32)
+        hist = rng.integers(0, V, size=5)
+        for kw in ({}, {"repeat_penalty": 1.3}):
+            a = verify(rows, draft, greedy(**kw), hist)
+            b = verify(rows, draft, greedy(**kw), hist, None, am)
+            assert (a.tokens, a.n_accepted, a.kind) == (b.tokens, b.n_accepted, b.kind), (trial, kw)
+    # it is what greedy verification reads: a wrong argmax shows
+    rows = onehot_rows([5, 6, 7])
+    assert verify(rows, np.array([5, 6]), greedy(), np.array([1]), None, np.array([5, 9, 7], np.int32)).tokens == [5, 9]

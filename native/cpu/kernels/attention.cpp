@@ -514,11 +514,12 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       bool soft = false;
       int64_t nU = 0;
       bool compat = false;
-      // reuse this run's list for the same tokens (another head or layer), else make and keep it
+      // reuse this run's list for the same tokens (another head or layer), else make and keep it;
+      // a tile's tokens are consecutive ((r0 + r) / group), so the first and last name them
       WalkEntry* hit = nullptr;
       WalkEntry& slot = t_walks[(size_t)(utok[0] * 131 + utok[nu - 1]) % kWalkCache];
       if (p.run_id && slot.run_id == p.run_id && slot.mask == M->data && slot.order == (O ? O->data : nullptr) &&
-          slot.n_kv == n_kv && slot.tok0 == utok[0] && slot.tok1 == utok[nu - 1] && utok[nu - 1] - utok[0] == nu - 1)
+          slot.n_kv == n_kv && slot.tok0 == utok[0] && slot.tok1 == utok[nu - 1])
         hit = &slot;
       if (hit) {
         nU = hit->nU;
@@ -528,7 +529,7 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
         for (int u = 0; u < nu; ++u) ulen[u] = hit->ulen[u];
       } else {
         std::tie(nU, compat) = walk(0, nu, soft);
-        if (p.run_id && utok[nu - 1] - utok[0] == nu - 1) {
+        if (p.run_id) {
           slot.run_id = p.run_id;
           slot.mask = M->data;
           slot.order = O ? O->data : nullptr;
