@@ -239,6 +239,59 @@ def test_attention_rows_do_not_depend_on_the_batch(kv_dt, isa, use_order):
         _same(mixed[rows], batch, f"interleaved buffer + mixed batch ({nt} threads)")
 
 
+def _attend_heads(q, k, v, mask, kv_dt, isa, n_threads):
+    g = N.Graph()
+    T, hq, d = q.shape
+    n_kv, hkv, dv = v.shape
+    qt = g.input("q", F32, [T, hq, d])
+    kt = g.input("k", kv_dt, [n_kv, hkv, d])
+    vt = g.input("v", kv_dt, [n_kv, hkv, dv])
+    mt = g.input("mask", F32, [T, n_kv])
+    g.output(g.attention(qt, kt, vt, mt, None, d ** -0.5), "o")
+    p = N.Plan(g, pool(n_threads))
+    p.set_input("q", np.ascontiguousarray(q, np.float32))
+    p.set_input("k", encode(k, kv_dt))
+    p.set_input("v", encode(v, kv_dt))
+    p.set_input("mask", np.ascontiguousarray(mask, np.float32))
+    with using_isa(isa):
+        p.run()
+    return np.array(p.output("o"))
+
+
+@pytest.mark.parametrize("d,dv", ((64, 64), (32, 64), (128, 128), (48, 32)), ids=lambda x: str(x))
+@pytest.mark.parametrize("kv_dt", (F32, F16), ids=dname)
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_wide_tiles_equal_rows_alone(d, dv, kv_dt, isa):
+    """A speculative verify batch: 17 tokens x 3 query heads per KV head give tiles of 12-16 rows,
+    which the AVX-512 path computes with the rows in vector lanes. Each token's result equals the
+    token decoded alone (a tile of 3 rows, the row-by-row form) bit for bit, and numpy's softmax
+    attention within float tolerance. The tokens see different numbers of cells (causal, after a
+    5-cell prefix and with a hole of cells no row sees), so rows leave the tile at different
+    16-cell blocks."""
+    rng = np.random.default_rng(31 + d)
+    T, hq, hkv, n_kv, prefix = 17, 9, 3, 40, 5
+    q = rng.standard_normal((T, hq, d)).astype(np.float32)
+    k = rng.standard_normal((n_kv, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((n_kv, hkv, dv)).astype(np.float32)
+    cells = np.r_[0:3, 6:n_kv]  # cells 3-5: a hole (another sequence's cells)
+    pos = prefix + np.arange(T)
+    mask = np.full((T, n_kv), -np.inf, np.float32)
+    for t in range(T):
+        mask[t, cells[: pos[t] + 1]] = 0.0
+    batch = _attend_heads(q, k, v, mask, kv_dt, isa, 1).reshape(T, hq, dv)
+    kf = k.astype(np.float16).astype(np.float32) if kv_dt == F16 else k
+    vf = v.astype(np.float16).astype(np.float32) if kv_dt == F16 else v
+    for t in range(T):
+        alone = _attend_heads(q[t:t + 1], k, v, mask[t:t + 1], kv_dt, isa, 1).reshape(hq, dv)
+        _same(alone, batch[t], f"token {t} alone vs in a batch of {T}")
+        vis = mask[t] == 0
+        for h in range(hq):
+            s = kf[vis, h // 3] @ q[t, h].astype(np.float64) * d ** -0.5
+            w = np.exp(s - s.max())
+            np.testing.assert_allclose(batch[t, h], (w / w.sum()) @ vf[vis, h // 3], rtol=2e-4, atol=2e-5)
+    _same(_attend_heads(q, k, v, mask, kv_dt, isa, 3).reshape(T, hq, dv), batch, "3 threads vs 1")
+
+
 @pytest.mark.parametrize("kv_dt", (F32, F16), ids=dname)
 @pytest.mark.parametrize("isa", ISAS)
 def test_attention_order_is_the_walk_order(kv_dt, isa):

@@ -14,7 +14,10 @@
 //   the block's maximum, the 16 weights as one exp, and the V rows accumulated in walk order. The
 //   rows of a tile (up to 16) whose visible cells are prefixes of one list share every K/V
 //   conversion and work as a small matrix product (scores of a row for 16 cells at once, V rows
-//   loaded once for 6 rows).
+//   loaded once for 6 rows). Tiles of 12 or more rows (speculative verify batches; 0 / -inf
+//   masks, D <= 128) put the rows in vector lanes instead (attend_lanes_avx512): the same adds,
+//   multiplies and exps in the same order per row, so the result is bit for bit that of a row
+//   alone, without the per-row cross-lane reductions.
 #include <cmath>
 #include <algorithm>
 #include <cstring>
@@ -258,7 +261,9 @@ PF_A512 inline __m512 scores16_any(const float* q, const float* kf, int64_t D) {
 
 // acc[r] = acc[r] * corr[r] + sum over cells c < nc (in order) of p[r][c] * V row c, for R rows
 // (accumulators in registers; each V row is loaded once for all of them).
-template <int NV, int R>
+// p[r][c * PS]: a row's weights are contiguous (PS = 1) or one per 16 floats (PS = 16, the
+// rows-in-lanes layout of attend_lanes_avx512).
+template <int NV, int R, int PS = 1>
 PF_A512 inline void pv_rows(float* const* acc, const float* const* p, const float* corr, const float* vf, int nc) {
   constexpr int Dv = NV * 16;
   __m512 a[R][NV];
@@ -270,7 +275,7 @@ PF_A512 inline void pv_rows(float* const* acc, const float* const* p, const floa
     __m512 v[NV];
     for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(vf + c * Dv + 16 * i);
     for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r][c]);
+      const __m512 w = _mm512_set1_ps(p[r][c * PS]);
       for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(w, v[i], a[r][i]);
     }
   }
@@ -278,12 +283,22 @@ PF_A512 inline void pv_rows(float* const* acc, const float* const* p, const floa
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[r] + 16 * i, a[r][i]);
 }
 
-template <int NV>
+template <int NV, int PS = 1>
 PF_A512 void pv_all(float* const* acc, const float* const* p, const float* corr, const float* vf, int nc, int n) {
   constexpr int RM = NV <= 2 ? 8 : NV == 4 ? 6 : 2;
   int r = 0;
-  for (; r + RM <= n; r += RM) pv_rows<NV, RM>(acc + r, p + r, corr + r, vf, nc);
-  for (; r < n; ++r) pv_rows<NV, 1>(acc + r, p + r, corr + r, vf, nc);
+  for (; r + RM <= n; r += RM) pv_rows<NV, RM, PS>(acc + r, p + r, corr + r, vf, nc);
+  // the rest together (one row alone is a chain of nc dependent FMAs per accumulator)
+  switch (n - r) {
+    case 0: break;
+    case 1: pv_rows<NV, 1, PS>(acc + r, p + r, corr + r, vf, nc); break;
+    case 2: if constexpr (RM > 2) pv_rows<NV, 2, PS>(acc + r, p + r, corr + r, vf, nc); break;
+    case 3: if constexpr (RM > 3) pv_rows<NV, 3, PS>(acc + r, p + r, corr + r, vf, nc); break;
+    case 4: if constexpr (RM > 4) pv_rows<NV, 4, PS>(acc + r, p + r, corr + r, vf, nc); break;
+    case 5: if constexpr (RM > 5) pv_rows<NV, 5, PS>(acc + r, p + r, corr + r, vf, nc); break;
+    case 6: if constexpr (RM > 6) pv_rows<NV, 6, PS>(acc + r, p + r, corr + r, vf, nc); break;
+    default: if constexpr (RM > 7) pv_rows<NV, 7, PS>(acc + r, p + r, corr + r, vf, nc); break;
+  }
 }
 
 PF_A512 inline void widen_row(const Node* t, const uint8_t* src, float* dst, int64_t n) {
@@ -343,6 +358,147 @@ PF_A512 void attend_group_avx512(const Node* K, const Node* V, int64_t hk, const
     }
   }
 }
+
+// attend_group_avx512 for up to 16 rows at once with row r in lane r: the same arithmetic per row,
+// bit for bit, laid out so that nothing is reduced across lanes. (0 / -inf masks only.)
+// - Scores: lane l of scores16's accumulator for cell c is a chain over i of q[16i + l] * k[16i + l];
+//   here A_l (one vector: the rows) is that chain with the rows' queries transposed (qt[d][16]) and
+//   k[d] broadcast. lane_sums16 adds the 16 lanes as ((g0 + g1) + (g2 + g3)) with
+//   g_k = (A_4k + A_4k+2) + (A_4k+1 + A_4k+3): the same adds, done on whole vectors.
+// - Softmax: the block maximum over cells is a max over 16 vectors (max is exact in any order);
+//   the weights' sum follows _mm512_reduce_add_ps's tree (halves, then quarters, then pairs); the
+//   rescale exp_f32x16 equals exp_f32 lane for lane.
+// - V: pv_rows with the weights read at a stride of 16 (P^T, cell-major).
+// Rows whose visible cells end before a block take no part in it (as in attend_group_avx512).
+// Scratch: qt [D][16], pb [8][16][16] pair sums, pt [16][16] weights (cell-major).
+template <int ND, int NV>
+PF_A512 void attend_lanes_avx512(const Node* K, const Node* V, int64_t hk, const int32_t* U, int64_t nU, int n,
+                                 const float* q, const int64_t* len, float* kf, float* vf, float* qt, float* pb,
+                                 float* pt, float* acc, float* m, float* l) {
+  constexpr int D = ND * 16, Dv = NV * 16;
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __mmask16 live = (__mmask16)((1u << n) - 1u);
+  for (int d = 0; d < D; ++d)
+    for (int r = 0; r < 16; ++r) qt[d * 16 + r] = r < n ? q[r * D + d] : 0.0f;
+  alignas(64) int32_t lens[16];
+  for (int r = 0; r < 16; ++r) lens[r] = r < n ? (int32_t)len[r] : 0;
+  const __m512i lenv = _mm512_load_si512(lens);
+  __m512 mv = _mm512_mask_loadu_ps(ninf, live, m);
+  __m512 lv = _mm512_maskz_loadu_ps(live, l);
+  for (int64_t b0 = 0; b0 < nU; b0 += kBlk) {
+    const int nc = (int)std::min<int64_t>(kBlk, nU - b0);
+    const __mmask16 act = _mm512_cmpgt_epi32_mask(lenv, _mm512_set1_epi32((int32_t)b0)) & live;
+    if (!act) continue;
+    for (int c = 0; c < nc; ++c) {
+      const int64_t j = U[b0 + c];
+      widen_row(K, K->data + j * K->shape.strides[0] + hk * K->shape.strides[1], kf + c * D, D);
+      widen_row(V, V->data + j * V->shape.strides[0] + hk * V->shape.strides[1], vf + c * Dv, Dv);
+    }
+    // pair sums pb[(2k + h) * 256 + c * 16] = A_{4k+h} + A_{4k+h+2} of cell c (h = 0, 1)
+    for (int k = 0; k < 4; ++k) {
+      for (int h = 0; h < 2; ++h) {
+        const int l0 = 4 * k + h, l1 = l0 + 2;
+        __m512 q0[ND], q1[ND];
+        for (int i = 0; i < ND; ++i) {
+          q0[i] = _mm512_loadu_ps(qt + (16 * i + l0) * 16);
+          q1[i] = _mm512_loadu_ps(qt + (16 * i + l1) * 16);
+        }
+        float* out = pb + (2 * k + h) * 256;
+        for (int c = 0; c < nc; ++c) {
+          const float* kc = kf + c * D;
+          __m512 a0 = _mm512_mul_ps(q0[0], _mm512_set1_ps(kc[l0]));
+          __m512 a1 = _mm512_mul_ps(q1[0], _mm512_set1_ps(kc[l1]));
+          for (int i = 1; i < ND; ++i) {
+            a0 = _mm512_fmadd_ps(q0[i], _mm512_set1_ps(kc[16 * i + l0]), a0);
+            a1 = _mm512_fmadd_ps(q1[i], _mm512_set1_ps(kc[16 * i + l1]), a1);
+          }
+          _mm512_storeu_ps(out + c * 16, _mm512_add_ps(a0, a1));
+        }
+      }
+    }
+    __m512 S[kBlk];
+    __mmask16 vis[kBlk];
+    __m512 mx = ninf;
+    for (int c = 0; c < kBlk; ++c) {
+      if (c >= nc) { S[c] = ninf; vis[c] = 0; continue; }
+      __m512 g[4];
+      for (int k = 0; k < 4; ++k)
+        g[k] = _mm512_add_ps(_mm512_loadu_ps(pb + (2 * k) * 256 + c * 16), _mm512_loadu_ps(pb + (2 * k + 1) * 256 + c * 16));
+      const __m512 sc = _mm512_add_ps(_mm512_add_ps(g[0], g[1]), _mm512_add_ps(g[2], g[3]));
+      vis[c] = _mm512_cmpgt_epi32_mask(lenv, _mm512_set1_epi32((int32_t)(b0 + c))) & act;
+      S[c] = _mm512_mask_mov_ps(ninf, vis[c], sc);
+      mx = _mm512_max_ps(mx, S[c]);
+    }
+    // std::max(m, block max); inactive lanes keep m and subtract 0 (their weights are exp(-inf) = 0)
+    const __m512 mn = _mm512_mask_mov_ps(mv, _mm512_cmp_ps_mask(mv, mx, _CMP_LT_OQ) & act, mx);
+    const __m512 sub = _mm512_mask_mov_ps(_mm512_setzero_ps(), act, mn);
+    // masked lanes: exp(-inf) is 0; they take exp(0) and are zeroed instead (an underflowing exp
+    // costs a microcode assist per lane)
+    __m512 w[kBlk];
+    for (int c = 0; c < kBlk; ++c)
+      w[c] = _mm512_maskz_mov_ps(vis[c], exp_f32x16(_mm512_maskz_sub_ps(vis[c], S[c], sub)));
+    __m512 t3[8], t6[4];
+    for (int i = 0; i < 8; ++i) t3[i] = _mm512_add_ps(w[i + 8], w[i]);
+    for (int i = 0; i < 4; ++i) t6[i] = _mm512_add_ps(t3[i + 4], t3[i]);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
+    // cr = 1 where m == mn, else exp(m - mn) (0 on a row's first block: m = -inf)
+    const __mmask16 resc = act & _mm512_cmp_ps_mask(mv, mn, _CMP_NEQ_UQ);
+    const __mmask16 first = resc & _mm512_cmp_ps_mask(mv, ninf, _CMP_EQ_OQ);
+    const __mmask16 live_r = resc & ~first;
+    __m512 cr = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), live_r, exp_f32x16(_mm512_maskz_sub_ps(live_r, mv, mn)));
+    cr = _mm512_mask_mov_ps(cr, first, _mm512_setzero_ps());
+    lv = _mm512_mask_mov_ps(lv, act, _mm512_fmadd_ps(lv, cr, sum));
+    mv = _mm512_mask_mov_ps(mv, act, mn);
+    for (int c = 0; c < nc; ++c) _mm512_storeu_ps(pt + c * 16, w[c]);
+    alignas(64) float crs[16];
+    _mm512_store_ps(crs, cr);
+    float* accp[kTileMax];
+    const float* pp[kTileMax];
+    float corr[kTileMax];
+    int na = 0;
+    for (int r = 0; r < n; ++r) {
+      if (!((act >> r) & 1u)) continue;
+      accp[na] = acc + r * Dv;
+      pp[na] = pt + r;
+      corr[na++] = crs[r];
+    }
+    pv_all<NV, 16>(accp, pp, corr, vf, nc, na);
+  }
+  _mm512_mask_storeu_ps(m, live, mv);
+  _mm512_mask_storeu_ps(l, live, lv);
+}
+
+template <int ND>
+PF_A512 void attend_lanes_nd(const Node* K, const Node* V, int64_t hk, const int32_t* U, int64_t nU, int n,
+                             const float* q, const int64_t* len, int64_t Dv, float* kf, float* vf, float* qt, float* pb,
+                             float* pt, float* acc, float* m, float* l) {
+  switch (Dv / 16) {
+    case 1: attend_lanes_avx512<ND, 1>(K, V, hk, U, nU, n, q, len, kf, vf, qt, pb, pt, acc, m, l); break;
+    case 2: attend_lanes_avx512<ND, 2>(K, V, hk, U, nU, n, q, len, kf, vf, qt, pb, pt, acc, m, l); break;
+    case 4: attend_lanes_avx512<ND, 4>(K, V, hk, U, nU, n, q, len, kf, vf, qt, pb, pt, acc, m, l); break;
+    default: attend_lanes_avx512<ND, 8>(K, V, hk, U, nU, n, q, len, kf, vf, qt, pb, pt, acc, m, l); break;
+  }
+}
+
+// The rows-in-lanes form exists for D / 16 <= 8 (its pair chains keep 2 * D / 16 query vectors in
+// registers); it pays once a tile has this many rows (a tile's cost is nearly that of 16 rows).
+constexpr int kLanesMinRows = 12;
+inline bool lanes_ok(int64_t D) { return D / 16 >= 1 && D / 16 <= 8; }
+
+PF_A512 void attend_lanes(const Node* K, const Node* V, int64_t hk, const int32_t* U, int64_t nU, int n, const float* q,
+                          const int64_t* len, int64_t D, int64_t Dv, float* kf, float* vf, float* qt, float* pb,
+                          float* pt, float* acc, float* m, float* l) {
+  switch (D / 16) {
+    case 1: attend_lanes_nd<1>(K, V, hk, U, nU, n, q, len, Dv, kf, vf, qt, pb, pt, acc, m, l); break;
+    case 2: attend_lanes_nd<2>(K, V, hk, U, nU, n, q, len, Dv, kf, vf, qt, pb, pt, acc, m, l); break;
+    case 3: attend_lanes_nd<3>(K, V, hk, U, nU, n, q, len, Dv, kf, vf, qt, pb, pt, acc, m, l); break;
+    case 4: attend_lanes_nd<4>(K, V, hk, U, nU, n, q, len, Dv, kf, vf, qt, pb, pt, acc, m, l); break;
+    case 5: attend_lanes_nd<5>(K, V, hk, U, nU, n, q, len, Dv, kf, vf, qt, pb, pt, acc, m, l); break;
+    case 6: attend_lanes_nd<6>(K, V, hk, U, nU, n, q, len, Dv, kf, vf, qt, pb, pt, acc, m, l); break;
+    case 7: attend_lanes_nd<7>(K, V, hk, U, nU, n, q, len, Dv, kf, vf, qt, pb, pt, acc, m, l); break;
+    default: attend_lanes_nd<8>(K, V, hk, U, nU, n, q, len, Dv, kf, vf, qt, pb, pt, acc, m, l); break;
+  }
+}
 #endif
 
 struct Kern {
@@ -381,10 +537,13 @@ struct WalkEntry {
   std::vector<int32_t> list;
 };
 constexpr int kWalkCache = 8;
+// The rows-in-lanes path's scratch (attend_lanes_avx512): qt [D][16], pb [8][16][16], pt [16][16].
+constexpr int64_t kLanesFloats(int64_t D) { return D * 16 + 8 * 256 + 256 + 16; }
 thread_local WalkEntry t_walks[kWalkCache];
 
 inline size_t per_thread_floats(int64_t D, int64_t Dv, int64_t n_kv) {
-  return (size_t)(kCells * (D + Dv) + kTileMax * Dv + kTileMax * D + kCells * kTile + kCells + 64 + n_kv + kTileMax * 16 + 16);
+  return (size_t)(kCells * (D + Dv) + kTileMax * Dv + kTileMax * D + kCells * kTile + kCells + 64 + n_kv + kTileMax * 16 + 16 +
+                  kLanesFloats(D));
 }
 }  // namespace
 
@@ -419,6 +578,7 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   float* mkb = sbuf + kCells * kTile;   // [kCells]
   float* pbuf = mkb + kCells + 64;      // [kTileMax][16] (AVX-512 path)
   int32_t* ulist = reinterpret_cast<int32_t*>(pbuf + kTileMax * 16 + 16);  // [n_kv] (AVX-512 path)
+  float* lanes = reinterpret_cast<float*>(ulist + n_kv);  // kLanesFloats(D) (AVX-512 rows-in-lanes path)
 
   // AVX-512 path: see the top of the file (its own arithmetic, so it is chosen by ISA and
   // shapes only).
@@ -545,7 +705,10 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       }
       for (int u = 0; u < nu && compat; ++u)
         for (int r = ubeg[u]; r < ubeg[u + 1]; ++r) len[r] = ulen[u];
-      if (compat) {
+      if (compat && !soft && nt >= kLanesMinRows && lanes_ok(D)) {
+        attend_lanes(K, V, hk, ulist, nU, nt, qbuf, len, D, Dv, krow, vrow, lanes, lanes + D * 16, lanes + D * 16 + 8 * 256,
+                     acc, m, l);
+      } else if (compat) {
         attend_group_avx512(K, V, hk, ulist, nU, nt, qbuf, len, mrow, soft, D, Dv, krow, vrow, pbuf, acc, m, l);
       } else {
         for (int u = 0; u < nu; ++u) {  // one token at a time, each with its own list
