@@ -536,10 +536,11 @@ struct WalkEntry {
   int64_t ulen[kTileMax] = {};
   std::vector<int32_t> list;
 };
-constexpr int kWalkCache = 8;
+constexpr int kWalkCache = 16;
 // The rows-in-lanes path's scratch (attend_lanes_avx512): qt [D][16], pb [8][16][16], pt [16][16].
 constexpr int64_t kLanesFloats(int64_t D) { return D * 16 + 8 * 256 + 256 + 16; }
 thread_local WalkEntry t_walks[kWalkCache];
+thread_local unsigned t_walk_next = 0;  // round-robin victim once every slot holds this run's lists
 
 inline size_t per_thread_floats(int64_t D, int64_t Dv, int64_t n_kv) {
   return (size_t)(kCells * (D + Dv) + kTileMax * Dv + kTileMax * D + kCells * kTile + kCells + 64 + n_kv + kTileMax * 16 + 16 +
@@ -676,11 +677,23 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       bool compat = false;
       // reuse this run's list for the same tokens (another head or layer), else make and keep it;
       // a tile's tokens are consecutive ((r0 + r) / group), so the first and last name them
+      // (searched in full: a verify batch's tiles would collide in a hashed slot and evict each
+      // other at every layer; a miss takes a slot of an earlier run, else the next in turn)
       WalkEntry* hit = nullptr;
-      WalkEntry& slot = t_walks[(size_t)(utok[0] * 131 + utok[nu - 1]) % kWalkCache];
-      if (p.run_id && slot.run_id == p.run_id && slot.mask == M->data && slot.order == (O ? O->data : nullptr) &&
-          slot.n_kv == n_kv && slot.tok0 == utok[0] && slot.tok1 == utok[nu - 1])
-        hit = &slot;
+      WalkEntry* stale = nullptr;
+      for (int e = 0; e < kWalkCache && p.run_id; ++e) {
+        WalkEntry& w = t_walks[e];
+        if (w.run_id != p.run_id) {
+          if (!stale) stale = &w;
+          continue;
+        }
+        if (w.mask == M->data && w.order == (O ? O->data : nullptr) && w.n_kv == n_kv && w.tok0 == utok[0] &&
+            w.tok1 == utok[nu - 1]) {
+          hit = &w;
+          break;
+        }
+      }
+      WalkEntry& slot = stale ? *stale : t_walks[t_walk_next++ % kWalkCache];
       if (hit) {
         nU = hit->nU;
         compat = hit->compat;
