@@ -221,6 +221,17 @@ __attribute__((target("avx2,fma,f16c"))) void f16_to_f32_avx2(const uint16_t* s,
 
 constexpr int kBlk = 16;  // visible cells per block (AVX-512 path)
 
+// The sum of a block's 16 weights by one fixed tree, spelled out (attend_lanes_avx512 repeats it
+// on whole vectors, so it must not be left to a compiler's _mm512_reduce_add_ps): lanes i + i+8,
+// then i + i+4, then i + i+2, then the last two.
+PF_A512 inline float sum16(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+                                 _mm512_castps512_ps256(v));
+  const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+  const __m128 p = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, 1));
+}
+
 // Scores of one (scaled) query row with the 16 K rows kf[c * D] (f32): per cell the products of
 // the 16-float slices summed lane-wise in order over D, then lane_sums16.
 template <int ND>
@@ -343,7 +354,7 @@ PF_A512 void attend_group_avx512(const Node* K, const Node* V, int64_t hk, const
       const float mn = std::max(m[r], _mm512_reduce_max_ps(s));
       const __m512 w = exp_f32x16(_mm512_sub_ps(s, _mm512_set1_ps(mn)));
       const float cr = m[r] == mn ? 1.0f : exp_f32(m[r] - mn);  // exp_f32(0) is 1; 0 on the first block
-      l[r] = std::fma(l[r], cr, _mm512_reduce_add_ps(w));
+      l[r] = std::fma(l[r], cr, sum16(w));
       m[r] = mn;
       _mm512_storeu_ps(pbuf + r * kBlk, w);
       accp[na] = acc + r * Dv;
@@ -366,7 +377,7 @@ PF_A512 void attend_group_avx512(const Node* K, const Node* V, int64_t hk, const
 //   k[d] broadcast. lane_sums16 adds the 16 lanes as ((g0 + g1) + (g2 + g3)) with
 //   g_k = (A_4k + A_4k+2) + (A_4k+1 + A_4k+3): the same adds, done on whole vectors.
 // - Softmax: the block maximum over cells is a max over 16 vectors (max is exact in any order);
-//   the weights' sum follows _mm512_reduce_add_ps's tree (halves, then quarters, then pairs); the
+//   the weights' sum follows sum16's tree (halves, then quarters, then pairs); the
 //   rescale exp_f32x16 equals exp_f32 lane for lane.
 // - V: pv_rows with the weights read at a stride of 16 (P^T, cell-major).
 // Rows whose visible cells end before a block take no part in it (as in attend_group_avx512).
