@@ -106,6 +106,14 @@ struct HostBuffer {
   bool mapped = false;
 };
 
+// How many tokens ending at index a equal those ending at index b (at most m; the prompt-lookup
+// searches below compare against the sequence end, b = L - 1).
+static int64_t common_suffix(const int32_t* t, int64_t a, int64_t b, int64_t m) {
+  int64_t k = 0;
+  while (k < m && t[a - k] == t[b - k]) ++k;
+  return k;
+}
+
 static CpuIsa isa_from_str(const std::string& s) {
   if (s == "scalar") return CpuIsa::scalar;
   if (s == "avx2") return CpuIsa::avx2;
@@ -181,13 +189,8 @@ void bind_core(py::module_& m) {
     const int64_t L = h.shape(0);
     const int32_t* t = h.data();
     if (L < n + 1) return -1;
-    const int32_t* key = t + L - n;
-    for (int64_t j = L - 2; j >= n - 1; --j) {
-      if (t[j] != key[n - 1]) continue;
-      int64_t o = 1;
-      while (o < n && t[j - o] == key[n - 1 - o]) ++o;
-      if (o == n) return j;
-    }
+    for (int64_t j = L - 2; j >= n - 1; --j)
+      if (common_suffix(t, j, L - 1, n) == n) return j;
     return -1;
   }, py::arg("tokens"), py::arg("n"),
      "Prompt lookup: the index j (n-1 <= j <= len-2) where the most recent earlier occurrence of the last n "
@@ -198,11 +201,7 @@ void bind_core(py::module_& m) {
     if (h.ndim() != 1) throw std::invalid_argument("ngram_match_length: tokens must be 1-D");
     const int64_t L = h.shape(0);
     if (j < 0 || j >= L) throw std::invalid_argument("ngram_match_length: j out of range");
-    const int32_t* t = h.data();
-    const int64_t m = std::min(limit, j + 1);
-    int64_t k = 0;
-    while (k < m && t[j - k] == t[L - 1 - k]) ++k;
-    return k;
+    return common_suffix(h.data(), j, L - 1, std::min(limit, j + 1));
   }, py::arg("tokens"), py::arg("j"), py::arg("limit"),
      "Prompt lookup: the length of the common suffix of tokens[:j+1] and tokens (at most limit).");
   m.def("ngram_local_match", [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> h, int64_t n,
@@ -218,10 +217,9 @@ void bind_core(py::module_& m) {
       const int64_t e0 = std::max(m - 1, expect - w), e1 = std::min(L - 2, expect + w);
       int64_t best = -1;
       for (int64_t e = e0; e <= e1; ++e) {
-        if (e - m + 1 < 0) continue;
-        int64_t k = 0;
-        while (k < m && t[e - k] == t[L - 1 - k]) ++k;
-        if (k == m && (best < 0 || std::llabs(e - expect) < std::llabs(best - expect))) best = e;
+        if (e - m + 1 >= 0 && common_suffix(t, e, L - 1, m) == m &&
+            (best < 0 || std::llabs(e - expect) < std::llabs(best - expect)))
+          best = e;
       }
       if (best >= 0) return best + 1;
     }

@@ -37,9 +37,17 @@ class CostModel:
     def __init__(self, ctx, t_max: int):
         self.ctx = ctx
         self.t_max = max(2, int(t_max))
-        self.cost: np.ndarray | None = None  # [t_max + 1]; cost[0] unused
-        self._list: list[float] = []  # the same as plain floats (the controller's loop), of _of
-        self._of: np.ndarray | None = None
+        self._cost: np.ndarray | None = None  # [t_max + 1]; cost[0] unused
+        self._list: list[float] = []  # the same as plain floats (the controller's loop)
+
+    @property
+    def cost(self) -> np.ndarray | None:
+        return self._cost
+
+    @cost.setter
+    def cost(self, c: np.ndarray | None) -> None:
+        self._cost = c
+        self._list = [] if c is None else np.asarray(c).tolist()
 
     def calibrate(self, reps: int = 3, passes: int = 2) -> np.ndarray:
         """Time decodes of a few sizes on a scratch sequence; interpolate the rest."""
@@ -75,8 +83,6 @@ class CostModel:
         """c(t0), c(t0 + 1), .., c(t0 + n - 1) as plain floats."""
         if self.cost is None:
             self.calibrate()
-        if self._of is not self.cost:
-            self._list, self._of = self.cost.tolist(), self.cost
         c = self._list
         if t0 + n <= len(c):
             return c[t0: t0 + n]

@@ -332,8 +332,8 @@ class SpecDecoder:
         n_past = s.n - 1
         if d is None:
             m, dt, probs = 1, _EMPTY, None
-            toks = s._buf[n_past: s.n].copy()
-            logits = ctx.decode_step(int(toks[0]), n_past, s.seq)[None]
+            toks = None  # (built below only for proposers that read decoded batches)
+            logits = ctx.decode_step(int(s._buf[n_past]), n_past, s.seq)[None]
         else:
             dt, probs = d.tokens, d.probs
             m = 1 + len(dt)
@@ -347,6 +347,8 @@ class SpecDecoder:
             ctx.truncate(s.seq, s.n + k)  # keep id_last and the k accepted tokens
         self._settle(s, w, keys[0], m - 1, res.tokens, k)
         if self._processing:
+            if toks is None:
+                toks = s._buf[n_past: n_past + 1].copy()
             batch = DecodeBatch("verify", np.full(m, s.seq, dtype=np.int32), toks,
                                 np.arange(n_past, n_past + m, dtype=np.int32), {s.seq: k})
             for p in self._processing:

@@ -440,14 +440,13 @@ PF_A512 void attend_lanes_avx512(const Node* K, const Node* V, int64_t hk, const
       S[c] = _mm512_mask_mov_ps(ninf, vis[c], sc);
       mx = _mm512_max_ps(mx, S[c]);
     }
-    // std::max(m, block max); inactive lanes keep m and subtract 0 (their weights are exp(-inf) = 0)
+    // std::max(m, block max); inactive lanes keep m
     const __m512 mn = _mm512_mask_mov_ps(mv, _mm512_cmp_ps_mask(mv, mx, _CMP_LT_OQ) & act, mx);
-    const __m512 sub = _mm512_mask_mov_ps(_mm512_setzero_ps(), act, mn);
     // masked lanes: exp(-inf) is 0; they take exp(0) and are zeroed instead (an underflowing exp
     // costs a microcode assist per lane)
     __m512 w[kBlk];
     for (int c = 0; c < kBlk; ++c)
-      w[c] = _mm512_maskz_mov_ps(vis[c], exp_f32x16(_mm512_maskz_sub_ps(vis[c], S[c], sub)));
+      w[c] = _mm512_maskz_mov_ps(vis[c], exp_f32x16(_mm512_maskz_sub_ps(vis[c], S[c], mn)));
     __m512 t3[8], t6[4];
     for (int i = 0; i < 8; ++i) t3[i] = _mm512_add_ps(w[i + 8], w[i]);
     for (int i = 0; i < 4; ++i) t6[i] = _mm512_add_ps(t3[i + 4], t3[i]);
@@ -548,10 +547,11 @@ struct WalkEntry {
   std::vector<int32_t> list;
 };
 constexpr int kWalkCache = 16;
-// The rows-in-lanes path's scratch (attend_lanes_avx512): qt [D][16], pb [8][16][16], pt [16][16].
-constexpr int64_t kLanesFloats(int64_t D) { return D * 16 + 8 * 256 + 256 + 16; }
 thread_local WalkEntry t_walks[kWalkCache];
 thread_local unsigned t_walk_next = 0;  // round-robin victim once every slot holds this run's lists
+
+// The rows-in-lanes path's scratch (attend_lanes_avx512): qt [D][16], pb [8][16][16], pt [16][16].
+constexpr int64_t kLanesFloats(int64_t D) { return D * 16 + 8 * 256 + 256 + 16; }
 
 inline size_t per_thread_floats(int64_t D, int64_t Dv, int64_t n_kv) {
   return (size_t)(kCells * (D + Dv) + kTileMax * Dv + kTileMax * D + kCells * kTile + kCells + 64 + n_kv + kTileMax * 16 + 16 +
@@ -704,16 +704,17 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
           break;
         }
       }
-      WalkEntry& slot = stale ? *stale : t_walks[t_walk_next++ % kWalkCache];
+      const int32_t* U = ulist;  // the tile's walk list (the cached one on a hit)
       if (hit) {
         nU = hit->nU;
         compat = hit->compat;
         soft = hit->soft;
-        std::memcpy(ulist, hit->list.data(), (size_t)nU * sizeof(int32_t));
+        U = hit->list.data();
         for (int u = 0; u < nu; ++u) ulen[u] = hit->ulen[u];
       } else {
         std::tie(nU, compat) = walk(0, nu, soft);
         if (p.run_id) {
+          WalkEntry& slot = stale ? *stale : t_walks[t_walk_next++ % kWalkCache];
           slot.run_id = p.run_id;
           slot.mask = M->data;
           slot.order = O ? O->data : nullptr;
@@ -730,10 +731,10 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
       for (int u = 0; u < nu && compat; ++u)
         for (int r = ubeg[u]; r < ubeg[u + 1]; ++r) len[r] = ulen[u];
       if (compat && !soft && nt >= kLanesMinRows && lanes_ok(D)) {
-        attend_lanes(K, V, hk, ulist, nU, nt, qbuf, len, D, Dv, krow, vrow, lanes, lanes + D * 16, lanes + D * 16 + 8 * 256,
+        attend_lanes(K, V, hk, U, nU, nt, qbuf, len, D, Dv, krow, vrow, lanes, lanes + D * 16, lanes + D * 16 + 8 * 256,
                      acc, m, l);
       } else if (compat) {
-        attend_group_avx512(K, V, hk, ulist, nU, nt, qbuf, len, mrow, soft, D, Dv, krow, vrow, pbuf, acc, m, l);
+        attend_group_avx512(K, V, hk, U, nU, nt, qbuf, len, mrow, soft, D, Dv, krow, vrow, pbuf, acc, m, l);
       } else {
         for (int u = 0; u < nu; ++u) {  // one token at a time, each with its own list
           bool soft_u = false;

@@ -652,6 +652,7 @@ PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
       for (int64_t m = j.m0; m < j.m1; m += RX) {
         const int rm = j.m1 - m < RX ? (int)(j.m1 - m) : RX;
         xt_rows<WT, kPacked>(c, xb, a, m, rm, j.y, j.n0, nv);
+        c.pf_step = 0;  // the first pass prefetched the chunk after next
       }
     }
     return;
