@@ -333,12 +333,24 @@ PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t*
 // elements 4g .. 4g+3 of weight row r (Q8_0: biased by +128). Per activation row, the block's 16
 // exact integer sums are then eight vpdpbusd of W[g] with the broadcast dword g of the row's int8
 // block (no per-pair reduction), followed by one float stage for the 16 pairs. The first pass over
-// the blocks decodes (gathers) and computes up to kXtRows rows at once; with more rows it also
-// stores the decoded blocks in the scratch and later passes read them from there. The arithmetic
+// the blocks decodes (gathers) and computes up to kXtRows rows at once (kXtJoin when that leaves
+// no single row behind); with more rows it also stores the decoded blocks in the scratch and later
+// passes read them from there. The arithmetic
 // per pair is the one quant.h fixes (the integer sums are exact, whatever their order).
 
 template <DType WT>
 constexpr int kXtRows = kIsK<WT> ? 4 : 8;  // activation rows per pass (accumulators in registers)
+// The most rows of one pass: a last single row joins the pass before it (32-block types: nine
+// accumulators still fit in the registers). A pass of one row would decode the chunk's weights
+// again for little work; verify batches of 8 and 16 drafted tokens are 9 and 17 rows.
+template <DType WT>
+constexpr int kXtJoin = kIsK<WT> ? kXtRows<WT> : kXtRows<WT> + 1;
+
+// Rows of the next pass when `left` rows are still to be computed.
+template <DType WT>
+inline int xt_pass_rows(int64_t left) {
+  return left == kXtJoin<WT> ? kXtJoin<WT> : left < kXtRows<WT> ? (int)left : kXtRows<WT>;
+}
 
 // Lane r = the 4 bytes at rows[r] + off.
 PF_AVX512 PF_INLINE __m512i gat(const QCtx& c, int64_t off) {
@@ -594,8 +606,9 @@ PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
                        int nv) {
   switch (rm) {
 #define PF_XT_CASE(R) \
-  case R: if constexpr (R <= kXtRows<WT>) xt_pass<WT, R, MODE>(c, xb, a, m, yv, n0, nv); break;
+  case R: if constexpr (R <= kXtJoin<WT>) xt_pass<WT, R, MODE>(c, xb, a, m, yv, n0, nv); break;
     PF_XT_CASE(1) PF_XT_CASE(2) PF_XT_CASE(3) PF_XT_CASE(4) PF_XT_CASE(5) PF_XT_CASE(6) PF_XT_CASE(7) PF_XT_CASE(8)
+    PF_XT_CASE(9)
 #undef PF_XT_CASE
     default: break;
   }
@@ -649,22 +662,22 @@ PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
   const int64_t M = j.m1 - j.m0;
   if (j.packed) {  // every pass reads the packed chunk (unpacking it costs less than a scratch copy)
     if constexpr (!kIsK<WT> && WT != DType::Q5_0 && WT != DType::Q5_1) {
-      for (int64_t m = j.m0; m < j.m1; m += RX) {
-        const int rm = j.m1 - m < RX ? (int)(j.m1 - m) : RX;
-        xt_rows<WT, kPacked>(c, xb, a, m, rm, j.y, j.n0, nv);
+      for (int64_t m = j.m0, rm; m < j.m1; m += rm) {
+        rm = xt_pass_rows<WT>(j.m1 - m);
+        xt_rows<WT, kPacked>(c, xb, a, m, (int)rm, j.y, j.n0, nv);
         c.pf_step = 0;  // the first pass prefetched the chunk after next
       }
     }
     return;
   }
-  if (M <= RX) {
+  if (M <= RX || M == kXtJoin<WT>) {
     xt_rows<WT, kDecode>(c, xb, a, j.m0, (int)M, j.y, j.n0, nv);
     return;
   }
   xt_pass<WT, RX, kDecodeStore>(c, xb, a, j.m0, j.y, j.n0, nv);
-  for (int64_t m = j.m0 + RX; m < j.m1; m += RX) {
-    const int rm = j.m1 - m < RX ? (int)(j.m1 - m) : RX;
-    xt_rows<WT, kLoad>(c, xb, a, m, rm, j.y, j.n0, nv);
+  for (int64_t m = j.m0 + RX, rm; m < j.m1; m += rm) {
+    rm = xt_pass_rows<WT>(j.m1 - m);
+    xt_rows<WT, kLoad>(c, xb, a, m, (int)rm, j.y, j.n0, nv);
   }
 }
 
