@@ -530,9 +530,6 @@ inline void load_row(const Node* t, const uint8_t* p, float* out, int64_t n, boo
 }  // namespace
 
 namespace {
-// Floats of one thread's scratch: kCells K rows, kCells V rows, kTileMax accumulators, kTileMax query
-// copies, the [kCells][kTile] scores and kCells mask values of a block.
-// The AVX-512 path also keeps the walk list of a tile (n_kv int32) and kTileMax x 16 weights.
 // The AVX-512 path's walk list of a tile (cells visible to any of its tokens, in walk order) is
 // the same for every KV head and every layer of one plan run: the mask and order inputs are
 // shared. Each thread keeps the lists it made in this run, keyed by the tile's tokens.
@@ -553,6 +550,9 @@ thread_local unsigned t_walk_next = 0;  // round-robin victim once every slot ho
 // The rows-in-lanes path's scratch (attend_lanes_avx512): qt [D][16], pb [8][16][16], pt [16][16].
 constexpr int64_t kLanesFloats(int64_t D) { return D * 16 + 8 * 256 + 256 + 16; }
 
+// Floats of one thread's scratch: kCells K rows, kCells V rows, kTileMax accumulators, kTileMax query
+// copies, the [kCells][kTile] scores and kCells mask values of a block. The AVX-512 path also keeps
+// the walk list of a tile (n_kv int32), kTileMax x 16 weights and the rows-in-lanes scratch.
 inline size_t per_thread_floats(int64_t D, int64_t Dv, int64_t n_kv) {
   return (size_t)(kCells * (D + Dv) + kTileMax * Dv + kTileMax * D + kCells * kTile + kCells + 64 + n_kv + kTileMax * 16 + 16 +
                   kLanesFloats(D));
