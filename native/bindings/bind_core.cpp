@@ -195,6 +195,28 @@ void bind_core(py::module_& m) {
   }, py::arg("tokens"), py::arg("n"),
      "Prompt lookup: the index j (n-1 <= j <= len-2) where the most recent earlier occurrence of the last n "
      "tokens ends, or -1.");
+  m.def("ngram_best_match", [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> h, int64_t n,
+                                int64_t cap, int64_t limit) -> py::tuple {
+    // ngram-simple's source choice (pyfast/spec/ngram.py, _find_best_match): among the earlier
+    // occurrences of the last n tokens, the most recent one of those whose common suffix with the
+    // sequence, counted up to cap, is longest. Returns (end j, common suffix length up to limit),
+    // or (-1, 0). The backward scan stops at the first occurrence that reaches cap.
+    if (h.ndim() != 1) throw std::invalid_argument("ngram_best_match: tokens must be 1-D");
+    if (n < 1 || cap < n || limit < cap)
+      throw std::invalid_argument("ngram_best_match: need 1 <= n <= cap <= limit");
+    const int64_t L = h.shape(0);
+    const int32_t* t = h.data();
+    int64_t best = -1, best_key = -1, best_len = 0;
+    for (int64_t j = L - 2; j >= n - 1 && best_key < cap; --j) {
+      if (common_suffix(t, j, L - 1, n) != n) continue;
+      const int64_t len = common_suffix(t, j, L - 1, std::min(limit, j + 1));
+      const int64_t key = std::min(len, cap);
+      if (key > best_key) best = j, best_key = key, best_len = len;
+    }
+    return py::make_tuple(best, best_len);
+  }, py::arg("tokens"), py::arg("n"), py::arg("cap"), py::arg("limit"),
+     "Prompt lookup: the end of the most recent earlier occurrence of the last n tokens among those with the "
+     "longest common suffix (counted up to cap), and that suffix's length (up to limit); (-1, 0) if none.");
   m.def("ngram_match_length", [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> h, int64_t j,
                                   int64_t limit) -> int64_t {
     // How many tokens ending at j equal the tokens ending at the sequence end (at most limit, j + 1).

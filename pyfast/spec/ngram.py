@@ -66,6 +66,33 @@ def _find_last_match_np(h: np.ndarray, n: int) -> int:
     return int(cand[-1]) if cand.size else -1
 
 
+def _find_best_match(h: np.ndarray, n: int, cap: int, limit: int = 64) -> tuple[int, int]:
+    """ngram-simple's source: among the earlier occurrences of the last n tokens, the most recent
+    of those whose common suffix with the sequence (counted up to ``cap``) is longest. Returns its
+    end j and that suffix's length (up to ``limit``), or (-1, 0)."""
+    if h.dtype == np.int32:
+        j, m = native.ngram_best_match(h, n, cap, limit)
+        return int(j), int(m)
+    return _find_best_match_np(h, n, cap, limit)
+
+
+def _find_best_match_np(h: np.ndarray, n: int, cap: int, limit: int = 64) -> tuple[int, int]:
+    """_find_best_match in numpy (the reference the tests compare against)."""
+    L = h.size
+    if L < n + 1:
+        return -1, 0
+    key = h[L - n:]
+    cand = np.flatnonzero(h[n - 1:L - 1] == key[-1]) + (n - 1)
+    for o in range(1, n):
+        cand = cand[h[cand - o] == key[-1 - o]]
+    best, best_key, best_len = -1, -1, 0
+    for j in cand[::-1].tolist():  # most recent first: a later one wins only with a longer key
+        m = _match_length(h, j, limit)
+        if min(m, cap) > best_key:
+            best, best_key, best_len = j, min(m, cap), m
+    return best, best_len
+
+
 def _match_length(h: np.ndarray, j: int, limit: int = 64) -> int:
     """How many tokens ending at j equal the tokens ending at the sequence end (<= limit)."""
     if h.dtype == np.int32:
@@ -102,6 +129,12 @@ def _local_search(h: np.ndarray, n: int, n_local: int, expect: int) -> int:
 class NgramSimple(Proposer):
     """Prompt lookup: copy what followed the most recent earlier occurrence of the last n tokens.
 
+    Where the key occurs several times, a more recent occurrence that agrees with the sequence for
+    fewer than ``long_match`` tokens gives way to an older one that agrees for more (code repeats
+    short phrases: the most recent "    for key, value" is often the wrong place to copy from). On
+    the copy prompts this drafts 6% more accepted tokens summed over every position; on chat
+    prompts 0.1% fewer (comparing by the full agreement length instead cost chat 1.5%).
+
     Draft length grows with the evidence: a draft copies at most ``max(n_max_local, match)``
     tokens, where ``match`` is how many tokens before the sequence end agree with the text before
     the occurrence (>= n). A fresh 4-token match gets a short draft; a copy that has been in step
@@ -124,12 +157,14 @@ class NgramSimple(Proposer):
     accepted far less often; an extra verify row costs a fraction of a step, so they pay only while
     the controller's running acceptance for them says so, which is why they stay off without it.
 
-    Drafts are labelled (``Draft.kind``) "local", "short" (match < 6), "fallback" or "" (long) for
-    the adaptive controller, with prior acceptance rates measured on SmolLM2 chat and copy prompts.
+    Drafts are labelled (``Draft.kind``) "local", "short" (match < ``long_match``), "fallback" or
+    "" (long) for the adaptive controller, with prior acceptance rates measured on SmolLM2 chat and
+    copy prompts.
     """
 
     name = "ngram-simple"
     default_n_max = 16
+    long_match = 6  # a match this long is a "long" draft (acceptance ~95% per token on SmolLM2)
     kind_priors = {"": 0.9, "short": 0.6, "local": 0.5, "fallback": 0.3}
 
     def __init__(self, n: int = 4, n_local: int = 1, n_max_local: int = 4, grow: bool = True,
@@ -172,11 +207,11 @@ class NgramSimple(Proposer):
             h = r.tokens
             self._last.pop(r.seq, None)
             n_max = r.n_max
-            j = _find_last_match(h, self.n)
+            cap = max(self.n, self.long_match)
+            j, ml = _find_best_match(h, self.n, cap, max(64, cap))
             if j >= 0:
                 start = j + 1
-                ml = _match_length(h, j)
-                kind = "short" if ml < 6 else ""
+                kind = "short" if ml < self.long_match else ""
                 if self.grow:
                     n_max = min(n_max, max(self.n_max_local, ml))
             else:

@@ -26,6 +26,55 @@ def test_simple_copies_after_most_recent_occurrence():
     assert draft1(p, h, n_max=2) == [20, 21]
 
 
+def test_simple_prefers_an_older_occurrence_that_agrees_for_longer():
+    """A more recent occurrence of the key that agrees with the sequence for fewer than
+    long_match tokens gives way to an older one that agrees for more; among occurrences that both
+    reach long_match, the most recent wins."""
+    p = NgramSimple(n=3, grow=False)
+    assert p.long_match == 6
+    text = list(range(100, 130))
+    decoy = [50] + text[5:8] + [99, 98]          # the key text[5:8] again, after a different token
+    h = text + decoy + [1] + text[:8]             # the sequence copies text: 8 tokens in step
+    assert draft1(p, h) == text[8:24]
+    d = p.draft([req(h)])[0]
+    assert d.kind == ""                           # a long match
+    # a decoy in step for 8 tokens as well: the most recent occurrence is taken again
+    decoy = text[:8] + [99, 98]
+    assert draft1(p, text + decoy + [1] + text[:8]) == [99, 98, 1] + text[:8]
+    # agreement below long_match on both sides: the longer one still wins ("short" kind)
+    h = text + [50] + text[5:8] + [99] + [1] + text[3:8]
+    d = p.draft([req(h)])[0]
+    assert d.tokens.tolist()[:3] == text[8:11] and d.kind == "short"
+
+
+def test_best_match_native_equals_numpy_and_brute_force():
+    """The native source choice equals the numpy version and a plain loop on short random token
+    strings over small alphabets (many occurrences of each key)."""
+    from pyfast.spec.ngram import _find_best_match, _find_best_match_np
+
+    rng = np.random.default_rng(13)
+    for trial in range(400):
+        L = int(rng.integers(1, 60))
+        h = rng.integers(0, int(rng.integers(2, 5)), size=L).astype(np.int32)
+        for n, cap, limit in ((1, 1, 64), (2, 4, 8), (3, 6, 64), (4, 6, 6), (3, 40, 64)):
+            want, want_len, best_key = -1, 0, -1
+            for j in range(L - 2, n - 2, -1):
+                if j - n + 1 < 0 or list(h[j - n + 1:j + 1]) != list(h[L - n:]):
+                    continue
+                m = 0
+                while m < min(limit, j + 1) and h[j - m] == h[L - 1 - m]:
+                    m += 1
+                if min(m, cap) > best_key:
+                    want, want_len, best_key = j, m, min(m, cap)
+            if L < n + 1:
+                want, want_len = -1, 0
+            assert _find_best_match(h, n, cap, limit) == (want, want_len), (h.tolist(), n, cap, limit)
+            assert _find_best_match_np(h, n, cap, limit) == (want, want_len), (h.tolist(), n, cap, limit)
+            assert _find_best_match_np(h.astype(np.int64), n, cap, limit) == (want, want_len)
+    with pytest.raises(ValueError, match="cap"):
+        _find_best_match(np.zeros(8, np.int32), 4, 3, 64)
+
+
 def test_simple_boundaries():
     p = NgramSimple(n=3, n_local=0, grow=False)
     assert draft1(p, [1, 2, 3]) is None                   # the key itself is the whole history
