@@ -638,11 +638,19 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   // and cell the arithmetic and its order are those of the cell-by-cell loop below.
   const bool blocked = !a512 && kern.avx2 && D % 8 == 0 && (Dv == 32 || Dv == 64 || Dv == 128);
 
-  for (int64_t item = it0; item < it1; ++item) {
+  for (int64_t item = it0; item < it1;) {
+    // Consecutive items of one KV head that this thread owns run as one tile (up to tile_cap
+    // rows): its K / V rows are read and converted once, not once per item. The items only
+    // spread the work over the threads; a row's arithmetic does not depend on its tile.
     const int64_t hk = item / tiles_per_head;
-    const int64_t ti = item % tiles_per_head;
-    const int64_t r0 = ti * tile;
-    const int nt = (int)std::min<int64_t>(tile, rows_per_head - r0);
+    const int64_t r0 = (item % tiles_per_head) * tile;
+    int64_t r1 = std::min<int64_t>(r0 + tile, rows_per_head);
+    for (++item; item < it1 && item / tiles_per_head == hk; ++item) {
+      const int64_t e = std::min<int64_t>((item % tiles_per_head) * tile + tile, rows_per_head);
+      if (e - r0 > tile_cap) break;
+      r1 = e;
+    }
+    const int nt = (int)(r1 - r0);
     int64_t tok[kTileMax], hq[kTileMax];
     float m[kTileMax], l[kTileMax];
     const float* mrow[kTileMax];
