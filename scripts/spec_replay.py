@@ -15,8 +15,9 @@ Cost model, in plain decoding steps: a decode of T rows costs 1.03 for T = 1 and
 the shared L3 forget). A plain step takes 2.57 ms + 1.62 µs per context token. Python adds
 0.19 ms to a round with a draft, 0.08 ms to one without, and 0.055 ms to a plain step. These
 are session 8's fit over every timed decode of a copy-set run (2-core VM, SmolLM2 Q4_1,
-2 threads); refit them for another machine. The controller sees the same curve. On that fit
-the replay predicted 1.58x where `pyfast bench --spec` measured 1.53-1.56x.
+2 threads); refit them for another machine. The controller sees the same curve (in a real run
+it sees the calibrated one). Session 8's first version of this replay, with the calibrated
+curve, predicted 1.58x where `pyfast bench --spec` measured 1.53-1.56x.
 """
 from __future__ import annotations
 
@@ -40,13 +41,10 @@ def step_ms(pos: int) -> float:
 
 
 class ModelCost:
-    """The controller's view of verify costs (the CostModel interface the controller reads)."""
+    """The controller's view of verify costs (the one CostModel method the controller reads)."""
 
-    def __init__(self, t_max: int):
-        self.t_max = t_max
-        self.cost = np.array([rows_cost(max(T, 1), 1) for T in range(t_max + 1)])
-
-    def costs(self, t0: int, n: int) -> list[float]:
+    @staticmethod
+    def costs(t0: int, n: int) -> list[float]:
         return [rows_cost(T, 1) for T in range(t0, t0 + n)]
 
 
@@ -79,9 +77,7 @@ def replay_one(prompt, generated, proposers, controller, n_max: int, oracle: boo
     while n < end:
         toks, cap = full[:n], min(n_max, end - n - 1)  # a round yields at most its draft + 1 tokens
         draft, winner, key, k = None, None, None, 0
-        for p in proposers:
-            if cap <= 0:
-                break
+        for p in proposers if cap > 0 else ():
             d = p.draft([DraftRequest(0, toks, cap, 1)])[0]
             if d is None or len(d) == 0:
                 continue
@@ -118,7 +114,7 @@ def replay(path: str, types: list[str], n_max: int, adaptive: bool, oracle: bool
     controller = None
     if adaptive:
         priors = {p.name + (":" + k if k else ""): v for p in proposers for k, v in getattr(p, "kind_priors", {}).items()}
-        controller = AdaptiveController(ModelCost(n_max + 4), n_max, priors=priors)
+        controller = AdaptiveController(ModelCost(), n_max, priors=priors)
     tot_s = tot_p = 0.0
     tot_d = tot_a = 0
     per = []

@@ -52,17 +52,23 @@ def _find_last_match(h: np.ndarray, n: int) -> int:
     return _find_last_match_np(h, n)
 
 
-def _find_last_match_np(h: np.ndarray, n: int) -> int:
-    """_find_last_match in numpy (any integer dtype; the reference the tests compare against)."""
+def _occurrences_np(h: np.ndarray, n: int) -> np.ndarray:
+    """Ends j (n-1 <= j <= L-2, ascending) of the earlier occurrences of the last n tokens."""
     L = h.size
     if L < n + 1:
-        return -1
+        return np.zeros(0, dtype=np.int64)
     key = h[L - n:]
     cand = np.flatnonzero(h[n - 1:L - 1] == key[-1]) + (n - 1)
     for o in range(1, n):
         if cand.size == 0:
-            return -1
+            break
         cand = cand[h[cand - o] == key[-1 - o]]
+    return cand
+
+
+def _find_last_match_np(h: np.ndarray, n: int) -> int:
+    """_find_last_match in numpy (any integer dtype; the reference the tests compare against)."""
+    cand = _occurrences_np(h, n)
     return int(cand[-1]) if cand.size else -1
 
 
@@ -78,15 +84,8 @@ def _find_best_match(h: np.ndarray, n: int, cap: int, limit: int = 64) -> tuple[
 
 def _find_best_match_np(h: np.ndarray, n: int, cap: int, limit: int = 64) -> tuple[int, int]:
     """_find_best_match in numpy (the reference the tests compare against)."""
-    L = h.size
-    if L < n + 1:
-        return -1, 0
-    key = h[L - n:]
-    cand = np.flatnonzero(h[n - 1:L - 1] == key[-1]) + (n - 1)
-    for o in range(1, n):
-        cand = cand[h[cand - o] == key[-1 - o]]
     best, best_key, best_len = -1, -1, 0
-    for j in cand[::-1].tolist():  # most recent first: a later one wins only with a longer key
+    for j in _occurrences_np(h, n)[::-1].tolist():  # most recent first: a later one wins only with a longer key
         m = _match_length(h, j, limit)
         if min(m, cap) > best_key:
             best, best_key, best_len = j, min(m, cap), m
@@ -203,11 +202,11 @@ class NgramSimple(Proposer):
 
     def draft(self, requests: list[DraftRequest]) -> list[Draft | None]:
         out: list[Draft | None] = []
+        cap = max(self.n, self.long_match)  # agreement counted up to this when choosing a source
         for r in requests:
             h = r.tokens
             self._last.pop(r.seq, None)
             n_max = r.n_max
-            cap = max(self.n, self.long_match)
             j, ml = _find_best_match(h, self.n, cap, max(64, cap))
             if j >= 0:
                 start = j + 1

@@ -613,7 +613,8 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   // Items are head-major (item = head * tiles_per_head + tile) and the last tile of a head may be
   // short, so the threads' contiguous ranges balance rows (+1 per item for its walk and K/V
   // conversion) rather than item counts: e.g. a 1-row decode with 3 query heads per KV head has
-  // tiles of 2 and 1 rows.
+  // tiles of 2 and 1 rows. (The +1 overstates a thread's cost where it owns consecutive items of
+  // one head: the loop below runs those as one tile.)
   int64_t it0 = 0, it1 = 0;
   {
     auto w = [&](int64_t item) { return std::min<int64_t>(tile, rows_per_head - (item % tiles_per_head) * tile) + 1; };
