@@ -3,7 +3,7 @@
 // K-quants need K % 256 == 0; a shape whose K does not fit a type's block is skipped), 1 and 2
 // threads.
 //
-//   bench_matmul [--isa scalar|avx2|avx512|neon] [--threads 1,2] [--cold] [--min-time 0.3]
+//   bench_matmul [--isa scalar|avx2|avx512|neon] [--threads 1,2] [--cold] [--cold-mib 512] [--min-time 0.3]
 //                [--dtypes Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32] [--m 1,512]
 //                [--no-avxvnni] [--no-dotprod] [--packed]
 //
@@ -13,6 +13,10 @@
 // --cold: additionally cycles through enough copies of the weight (>= 512 MiB) that every call
 //         streams it from DRAM, like generation over a whole model (every M: small M are
 //         speculative-decoding verify batches).
+// --cold-mib N: the copies total N MiB instead (implies --cold). A model's decode sits between
+//         hot and DRAM: on a 2-core VM with a shared 480 MiB L3, 64 MiB ran like hot and 100-128
+//         MiB like 512, and SmolLM2's weights are 115 MB; --cold-mib 115 reproduced its 1-row
+//         decode's weight rate (about 49 GB/s at 2 threads).
 // --packed: Q4_0 / Q4_1 / Q8_0 weights in the packed x16 layout the model loader uses (quant.h).
 // For several-row decodes use e.g. --m 1,2,4,8,16,17; the us/call of M rows over that of M = 1
 // is what a verify batch costs relative to a plain decode step.
@@ -76,6 +80,7 @@ int main(int argc, char** argv) {
   std::vector<int> threads = {1, 2};
   std::vector<int64_t> Ms = {1, 512};
   bool cold = false, packed = false;
+  int64_t cold_mib = 512;
   double min_time = 0.3;
   std::vector<DType> dtypes = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
                                DType::Q5_K, DType::Q6_K, DType::F16, DType::BF16, DType::F32};
@@ -104,6 +109,14 @@ int main(int argc, char** argv) {
       ++i;
     } else if (a == "--cold") {
       cold = true;
+    } else if (a == "--cold-mib") {
+      cold = true;
+      cold_mib = std::atoll(v);
+      if (cold_mib < 1) {
+        std::fprintf(stderr, "--cold-mib: need a size in MiB >= 1, got %s\n", v);
+        return 2;
+      }
+      ++i;
     } else if (a == "--packed") {
       packed = true;
     } else if (a == "--no-avxvnni") {
@@ -114,7 +127,7 @@ int main(int argc, char** argv) {
       min_time = std::atof(v);
       ++i;
     } else {
-      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--min-time s] [--no-avxvnni] [--no-dotprod] [--packed]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--cold-mib N] [--min-time s] [--no-avxvnni] [--no-dotprod] [--packed]\n", argv[0]);
       return 2;
     }
   }
@@ -153,7 +166,7 @@ int main(int argc, char** argv) {
       int ncopies = 1;
       std::unique_ptr<AlignedBuf> wc;
       if (cold) {
-        ncopies = (int)std::max<size_t>(2, ((size_t)512 << 20) / wbytes + 1);
+        ncopies = (int)std::max<size_t>(2, ((size_t)cold_mib << 20) / wbytes + 1);
         wc.reset(new AlignedBuf(wbytes * (size_t)ncopies));
         for (int c = 0; c < ncopies; ++c) std::memcpy(wc->p + wbytes * (size_t)c, w0.p, wbytes);
       }
