@@ -14,9 +14,10 @@
 //         streams it from DRAM, like generation over a whole model (every M: small M are
 //         speculative-decoding verify batches).
 // --cold-mib N: the copies total N MiB instead (implies --cold). A model's decode sits between
-//         hot and DRAM: on a 2-core VM with a shared 480 MiB L3, 64 MiB ran like hot and 100-128
-//         MiB like 512, and SmolLM2's weights are 115 MB; --cold-mib 115 reproduced its 1-row
-//         decode's weight rate (about 49 GB/s at 2 threads).
+//         hot and DRAM: on a 2-core VM with a shared 480 MiB L3, 17-row calls ran within 3-8% of
+//         hot at 64 MiB and about as slowly as at 512 MiB at 128 MiB. SmolLM2-135M Q4_1 holds
+//         98 MB of weights; at --cold-mib 100 or 115 a 1-row call read 44-49 GB/s at 2 threads,
+//         half the time of a DRAM-cold one.
 // --packed: Q4_0 / Q4_1 / Q8_0 weights in the packed x16 layout the model loader uses (quant.h).
 // For several-row decodes use e.g. --m 1,2,4,8,16,17; the us/call of M rows over that of M = 1
 // is what a verify batch costs relative to a plain decode step.
