@@ -4,6 +4,12 @@ K and V rows live in native host buffers that the graphs read and write through 
 (``set_rows`` and views); Python only tracks which cell holds which (sequence, position) and
 builds the per-batch inputs: the write indices, the attention mask and the cell order.
 
+Layout: per layer, head-major ``[n_head_kv, n_ctx, head_dim]``. Attention walks one KV head's
+cells at a time, so each head's rows are contiguous: a 1-row SmolLM2 decode's attention ran
+1.26x faster this way than with the cell-major ``[n_ctx, n_head_kv, head_dim]`` (2-core VM,
+300 cells; docs/performance.md, session 10). A token's K row is written as n_head_kv rows, one
+per head (``head_rows``).
+
 The cell order (cells sorted by position) makes attention reduce over a sequence's positions in
 the same order wherever its cells happen to sit, which is what keeps decoding batch invariant
 even after truncation frees cells in the middle of the cache.
@@ -35,8 +41,8 @@ class BatchSlots:
 class KVRows:
     """A host copy of one sequence's K/V rows: positions and per-layer raw rows."""
     pos: np.ndarray  # [n] int32
-    k: np.ndarray    # [n_layer, n, k row bytes] uint8
-    v: np.ndarray    # [n_layer, n, v row bytes] uint8
+    k: np.ndarray    # [n_layer, n, n_head_kv * k row bytes] uint8 (a cell's heads side by side)
+    v: np.ndarray    # [n_layer, n, n_head_kv * v row bytes] uint8
 
 
 class KVCache:
@@ -52,9 +58,10 @@ class KVCache:
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v or head_dim
         self.dtype = dtype
-        esize = native.dtype_type_size(dtype)
-        self.k_layer_bytes = n_ctx * n_head_kv * head_dim * esize
-        self.v_layer_bytes = n_ctx * n_head_kv * self.head_dim_v * esize
+        self.k_row_bytes = native.dtype_row_size(dtype, head_dim)  # one head of one cell
+        self.v_row_bytes = native.dtype_row_size(dtype, self.head_dim_v)
+        self.k_layer_bytes = n_head_kv * n_ctx * self.k_row_bytes
+        self.v_layer_bytes = n_head_kv * n_ctx * self.v_row_bytes
         self.k = native.Buffer(n_layer * self.k_layer_bytes)
         self.v = native.Buffer(n_layer * self.v_layer_bytes)
         self.cell_pos = np.full(n_ctx, -1, dtype=np.int32)
@@ -63,6 +70,7 @@ class KVCache:
         # prepare_one's / prepare_run's reusable outputs (allocated on first use); the cell order
         # buffer is shared
         self._one_mask = self._order = self._run_mask = self._run_idx = None
+        self._head_off = (np.arange(n_head_kv, dtype=np.int32) * n_ctx)[None, :]
 
     # --- bookkeeping -----------------------------------------------------------------------
     @property
@@ -101,23 +109,37 @@ class KVCache:
         """How many trailing tokens can be removed: any number for a KV cache."""
         return float("inf")
 
+    def head_rows(self, idx: np.ndarray) -> np.ndarray:
+        """The cache rows (layer-local, head-major) that a batch writing cells ``idx`` writes:
+        int32 [T * n_head_kv], token-major (row h * n_ctx + idx[t] for token t, head h)."""
+        return (idx.astype(np.int32, copy=False)[:, None] + self._head_off).reshape(-1)
+
     # --- per-sequence copies (state save / restore) ----------------------------------------
-    def _rows(self, buf, layer_bytes: int) -> np.ndarray:
-        return np.frombuffer(buf, dtype=np.uint8).reshape(self.n_layer, self.n_ctx, layer_bytes // self.n_ctx)
+    def _rows(self, buf, row_bytes: int) -> np.ndarray:
+        """[n_layer, n_head_kv, n_ctx, row_bytes] uint8 view of a cache buffer."""
+        return np.frombuffer(buf, dtype=np.uint8).reshape(self.n_layer, self.n_head_kv, self.n_ctx, row_bytes)
 
     def save_seq(self, seq: int) -> KVRows:
         """A host copy of every K/V row of `seq` (all layers), in position order."""
         cells = np.flatnonzero(self.cell_seq[: self._used_top] == seq)
         cells = cells[np.argsort(self.cell_pos[cells], kind="stable")]
-        return KVRows(pos=self.cell_pos[cells].copy(), k=self._rows(self.k, self.k_layer_bytes)[:, cells].copy(),
-                      v=self._rows(self.v, self.v_layer_bytes)[:, cells].copy())
+        n = cells.size
+        # [n_layer, head, cell, bytes] -> [n_layer, cell, head * bytes]: a cell's heads side by side
+        H = self.n_head_kv
+        k = self._rows(self.k, self.k_row_bytes)[:, :, cells].transpose(0, 2, 1, 3).reshape(
+            self.n_layer, n, H * self.k_row_bytes)
+        v = self._rows(self.v, self.v_row_bytes)[:, :, cells].transpose(0, 2, 1, 3).reshape(
+            self.n_layer, n, H * self.v_row_bytes)
+        return KVRows(pos=self.cell_pos[cells].copy(), k=k, v=v)
 
     def restore_seq(self, seq: int, rows: KVRows) -> None:
         """Replace the rows of `seq` with a saved copy (into free cells; other sequences untouched)."""
-        kr, vr = self._rows(self.k, self.k_layer_bytes), self._rows(self.v, self.v_layer_bytes)
-        if rows.k.shape[0] != self.n_layer or rows.k.shape[2:] != kr.shape[2:] or rows.v.shape[2:] != vr.shape[2:]:
+        kr, vr = self._rows(self.k, self.k_row_bytes), self._rows(self.v, self.v_row_bytes)
+        kb, vb = self.n_head_kv * self.k_row_bytes, self.n_head_kv * self.v_row_bytes
+        if (rows.k.ndim != 3 or rows.v.ndim != 3 or rows.k.shape[0] != self.n_layer or rows.v.shape[0] != self.n_layer
+                or rows.k.shape[2] != kb or rows.v.shape[2] != vb):
             raise ValueError(f"saved KV rows {rows.k.shape} / {rows.v.shape} do not fit this cache "
-                             f"({self.n_layer} layers, rows of {kr.shape[2]} / {vr.shape[2]} bytes)")
+                             f"({self.n_layer} layers, rows of {kb} / {vb} bytes)")
         n = rows.pos.size
         mine = (self.cell_seq == seq) & (self.cell_pos >= 0)
         free = np.flatnonzero((self.cell_pos < 0) | mine)
@@ -127,8 +149,9 @@ class KVCache:
         self.cell_pos[mine] = -1
         self.cell_seq[mine] = -1
         idx = free[:n]
-        kr[:, idx] = rows.k
-        vr[:, idx] = rows.v
+        H = self.n_head_kv
+        kr[:, :, idx] = rows.k.reshape(self.n_layer, n, H, self.k_row_bytes).transpose(0, 2, 1, 3)
+        vr[:, :, idx] = rows.v.reshape(self.n_layer, n, H, self.v_row_bytes).transpose(0, 2, 1, 3)
         self.cell_pos[idx] = rows.pos
         self.cell_seq[idx] = seq
         if n:

@@ -257,7 +257,7 @@ class GraphBuilder:
         self.pos = g.input("pos", DType.I32, [T])             # [T]
         self.out_ids = g.input("out_ids", DType.I32, [shape.n_out])
         if kv is not None:
-            self.kv_idx = g.input("kv_idx", DType.I32, [T])   # cell written by each token
+            self.kv_idx = g.input("kv_idx", DType.I32, [T * kv.n_head_kv])  # cache row of each (token, KV head)
             self.mask = g.input("mask", DType.F32, [T, n_kv])  # 0 / -inf
             self.kv_order = g.input("kv_order", DType.I32, [n_kv])
         if rec is not None:
@@ -311,14 +311,18 @@ class GraphBuilder:
         returns [T, n_head * head_dim_v]
         """
         g, kv, T, n_kv = self.g, self.kv, self.shape.n_tokens, self.shape.n_kv
-        k_cache = g.external(f"cache_k.{il}", kv.dtype, [kv.n_ctx, kv.n_head_kv, kv.head_dim], kv.k,
-                             offset=il * kv.k_layer_bytes)
-        v_cache = g.external(f"cache_v.{il}", kv.dtype, [kv.n_ctx, kv.n_head_kv, kv.head_dim_v], kv.v,
+        H, n_ctx = kv.n_head_kv, kv.n_ctx
+        # the cache is head-major ([H, n_ctx, D] per layer, see kv_cache.py): the batch's K/V go
+        # in as T * H rows (kv_idx: KVCache.head_rows), attention sees them as [n_kv, H, D]
+        k_cache = g.external(f"cache_k.{il}", kv.dtype, [H * n_ctx, kv.head_dim], kv.k, offset=il * kv.k_layer_bytes)
+        v_cache = g.external(f"cache_v.{il}", kv.dtype, [H * n_ctx, kv.head_dim_v], kv.v,
                              offset=il * kv.v_layer_bytes)
-        k_all = g.set_rows(k_cache, k, self.kv_idx)
-        v_all = g.set_rows(v_cache, v, self.kv_idx)
-        k_vis = g.view(k_all, [n_kv, kv.n_head_kv, kv.head_dim])
-        v_vis = g.view(v_all, [n_kv, kv.n_head_kv, kv.head_dim_v])
+        k_all = g.set_rows(k_cache, g.reshape(k, [T * H, kv.head_dim]), self.kv_idx)
+        v_all = g.set_rows(v_cache, g.reshape(v, [T * H, kv.head_dim_v]), self.kv_idx)
+        es = 0 if native.dtype_block_size(kv.dtype) > 1 else native.dtype_type_size(kv.dtype)
+        kb, vb = kv.k_row_bytes, kv.v_row_bytes
+        k_vis = g.view(k_all, [n_kv, H, kv.head_dim], [kb, n_ctx * kb, es])
+        v_vis = g.view(v_all, [n_kv, H, kv.head_dim_v], [vb, n_ctx * vb, es])
         o = g.attention(q, k_vis, v_vis, self.mask, self.kv_order, scale)
         n_head = q.shape[1]
         return g.reshape(o, [T, n_head * kv.head_dim_v])

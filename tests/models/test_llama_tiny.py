@@ -88,6 +88,32 @@ def test_truncate_then_redecode(tiny_f32):
     assert rel_err(got, ref.logits([1, 2, 3, 40, 41])[3:]) < 1e-4
 
 
+def test_saved_kv_rows_match_reference_and_restore_elsewhere(tiny_f32):
+    # The cache is head-major ([n_head_kv, n_ctx, head_dim] per layer): a sequence interleaved
+    # with another one in the cells must still save as its own rows in position order, each
+    # cell's heads side by side, equal to the reference's K (after rope) and V; restored into
+    # other cells of another cache, decoding goes on exactly as the reference.
+    ref = LlamaRef(tiny_f32)
+    a, b = [5, 6, 7, 8, 9], [60, 50, 40]
+    ctx = make_ctx(tiny_f32)
+    ctx.decode([a[0], b[0], a[1], b[1], a[2], b[2], a[3], a[4]], positions=[0, 0, 1, 1, 2, 2, 3, 4],
+               seq_ids=[0, 1, 0, 1, 0, 1, 0, 0], logits="none")
+    rows = ctx.kv.save_seq(0)
+    _, state = ref.forward(a)
+    n_layer, H, D = ctx.kv.n_layer, ctx.kv.n_head_kv, ctx.kv.head_dim
+    assert rows.pos.tolist() == [0, 1, 2, 3, 4]
+    k = rows.k.view(np.float32).reshape(n_layer, len(a), H, D)
+    v = rows.v.view(np.float32).reshape(n_layer, len(a), H, D)
+    for il in range(n_layer):
+        assert rel_err(k[il], state.k[il]) < 1e-5
+        assert rel_err(v[il], state.v[il]) < 1e-5
+    other = make_ctx(tiny_f32)
+    other.decode([1, 2, 3], seq_ids=7, logits="none")  # seq 0 lands in cells 3.. of this cache
+    other.kv.restore_seq(0, rows)
+    got = other.decode([11], positions=[5], seq_ids=0, logits="last")
+    assert rel_err(got, ref.logits(a + [11])[-1:]) < 1e-4
+
+
 @pytest.mark.parametrize("wtype", ["f16", "q8_0", "q4_0", "q4_1"])
 def test_quantized_weights_match_dequantized_reference(tmp_path, wtype):
     # The reference reads the same file and dequantizes the weights; the kernels quantize the
