@@ -176,7 +176,7 @@ class LLM:
         if max_tokens is None or max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-        it = self._generate(ptoks, max_tokens, sp, stops, ignore_eos, self._use_spec(speculative))
+        it = self._generate(ptoks, max_tokens, sp, stops, ignore_eos, self._use_spec(speculative), stream=stream)
         if stream:
             return it
         last = None
@@ -349,7 +349,10 @@ class LLM:
                 am = ctx.last_argmax()[0]  # the plan's (the greedy fast path reads it)
 
     def _generate(self, ptoks: list[int], max_tokens: int, sp: SamplingParams, stops: list[str],
-                  ignore_eos: bool, spec=None) -> Iterator[StreamChunk]:
+                  ignore_eos: bool, spec=None, stream: bool = True) -> Iterator[StreamChunk]:
+        """Generate after ``ptoks``; yields text chunks as they become final, the last one with
+        the result. stream=False without stop strings yields only the last chunk and decodes the
+        text once at the end (the same text: one UTF-8 decoder over the same bytes)."""
         from pyfast.tokenizer import StreamDecoder
 
         self._check_fits(len(ptoks))
@@ -375,6 +378,18 @@ class LLM:
         hold = max((len(s) for s in stops), default=0)
         finish = "length"
         t0 = time.perf_counter()
+        if not stream and not stops:  # only the result is wanted: no text until the end
+            is_eog, n_ctx = self.tokenizer.is_eog, self.n_ctx
+            for tok in source:
+                if not ignore_eos and is_eog(tok):
+                    finish = "stop"
+                    break
+                out.append(tok)
+                history.append(tok)  # (the plain generator reads it: penalties, the next position)
+                if len(out) >= max_tokens or len(history) >= n_ctx:
+                    break
+            text = dec.feed(out)
+            source = iter(())
         for tok in source:
             if not ignore_eos and self.tokenizer.is_eog(tok):
                 finish = "stop"

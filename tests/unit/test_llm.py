@@ -45,6 +45,21 @@ def test_stream_concatenates_to_full_text(llm):
     assert chunks[-1].result is not None and chunks[-1].result.tokens == full.tokens
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_result_text_is_the_streamed_text(llm, seed):
+    # stream=False decodes the text once at the end; streaming decodes it token by token. Sampled
+    # output of a multilingual prompt cut at odd lengths (mid-character at times) or at EOS must
+    # give the same tokens and the same text either way.
+    prompt = "Write a sentence in Chinese, one in Russian and three emoji:"
+    for n in (7, 13, 40):
+        kw = dict(max_tokens=n, temperature=1.2, seed=seed)
+        full = llm.generate(prompt, **kw)
+        chunks = list(llm.generate(prompt, stream=True, **kw))
+        res = chunks[-1].result
+        assert res.tokens == full.tokens and res.finish_reason == full.finish_reason
+        assert "".join(c.text for c in chunks) == res.text == full.text
+
+
 def test_prefix_reuse_gives_same_output(llm):
     p = "def add(a, b):\n    return"
     a = llm.generate(p, max_tokens=8, temperature=0)
