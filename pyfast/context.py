@@ -209,7 +209,7 @@ class Context:
         plan.set_input("tokens", toks)
         plan.set_input("pos", pos)
         plan.set_input("out_ids", out_ids)
-        plan.set_input("kv_idx", self.kv.head_rows(slots.idx))
+        plan.set_input("kv_idx", slots.rows)
         plan.set_input("mask", slots.mask)
         plan.set_input("kv_order", slots.order)
         if seg_rows is not None:

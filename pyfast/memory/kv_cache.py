@@ -35,6 +35,7 @@ class BatchSlots:
     mask: np.ndarray   # [T, n_kv] float32: 0 where the token may attend, -inf elsewhere
     order: np.ndarray  # [n_kv] int32: cells sorted by position (attention's reduction order)
     n_kv: int
+    rows: np.ndarray   # [T * n_head_kv] int32: the cache rows written (the graphs' "kv_idx" input)
 
 
 @dataclass
@@ -200,7 +201,7 @@ class KVCache:
         mask = np.full(allowed.shape, -np.inf, dtype=np.float32)
         mask[allowed] = 0.0
         order = np.argsort(cpos, kind="stable").astype(np.int32)
-        return BatchSlots(idx=idx, mask=mask, order=order, n_kv=n_kv)
+        return BatchSlots(idx=idx, mask=mask, order=order, n_kv=n_kv, rows=self.head_rows(idx))
 
     def prepare_run(self, seq: int, pos0: int, n: int) -> BatchSlots:
         """prepare() for n consecutive positions pos0 .. pos0+n-1 of one sequence (a verify batch),
@@ -218,7 +219,7 @@ class KVCache:
         idx = self._run_idx[:n]
         self._used_top = max(self._used_top, int(idx.max()) + 1)
         return BatchSlots(idx=idx, mask=self._run_mask[: n * n_kv].reshape(n, n_kv),
-                          order=self._order[:n_kv], n_kv=n_kv)
+                          order=self._order[:n_kv], n_kv=n_kv, rows=self.head_rows(idx))
 
     def prepare_one(self, seq: int, pos: int) -> BatchSlots:
         """prepare() for one token, done natively: the result's mask and order are views into
@@ -232,5 +233,6 @@ class KVCache:
         if cell < 0:
             raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, 1 more needed")
         self._used_top = max(self._used_top, cell + 1)
-        return BatchSlots(idx=np.array([cell], dtype=np.int32), mask=self._one_mask[:n_kv].reshape(1, n_kv),
-                          order=self._order[:n_kv], n_kv=n_kv)
+        idx = np.array([cell], dtype=np.int32)
+        return BatchSlots(idx=idx, mask=self._one_mask[:n_kv].reshape(1, n_kv), order=self._order[:n_kv], n_kv=n_kv,
+                          rows=self.head_rows(idx))

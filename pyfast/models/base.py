@@ -313,7 +313,7 @@ class GraphBuilder:
         g, kv, T, n_kv = self.g, self.kv, self.shape.n_tokens, self.shape.n_kv
         H, n_ctx = kv.n_head_kv, kv.n_ctx
         # the cache is head-major ([H, n_ctx, D] per layer, see kv_cache.py): the batch's K/V go
-        # in as T * H rows (kv_idx: KVCache.head_rows), attention sees them as [n_kv, H, D]
+        # in as T * H rows (kv_idx: BatchSlots.rows), attention sees them as [n_kv, H, D]
         k_cache = g.external(f"cache_k.{il}", kv.dtype, [H * n_ctx, kv.head_dim], kv.k, offset=il * kv.k_layer_bytes)
         v_cache = g.external(f"cache_v.{il}", kv.dtype, [H * n_ctx, kv.head_dim_v], kv.v,
                              offset=il * kv.v_layer_bytes)

@@ -242,7 +242,7 @@ class MTPProposer(Proposer):
             plan.set_input("tokens", toks[u0:u1])
             plan.set_input("pos", pos[u0:u1])
             plan.set_input("out_ids", np.arange(u1 - u0 if draft else 1, dtype=np.int32))
-            plan.set_input("kv_idx", slots.idx)
+            plan.set_input("kv_idx", slots.rows)
             plan.set_input("mask", slots.mask)
             plan.set_input("kv_order", slots.order)
             plan.set_input("h", h[u0:u1])

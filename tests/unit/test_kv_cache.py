@@ -106,3 +106,19 @@ def test_used_top_is_one_past_the_last_used_cell():
             used = np.flatnonzero(c.cell_pos >= 0)
             assert c._used_top == (int(used[-1]) + 1 if used.size else 0), (trial, step)
             assert np.all(c.cell_seq[c._used_top:] == -1)
+
+
+def test_batch_rows_are_head_major():
+    # The cache is head-major ([n_head_kv, n_ctx, head_dim] per layer): a token written to cell c
+    # fills row h * n_ctx + c of every head h, token-major, whichever prepare path made the batch
+    # (BatchSlots.rows is what every plan's "kv_idx" input gets).
+    H, n_ctx = 3, 50
+    c = KVCache(2, n_ctx, H, 8, native.DType.F32)
+    c.prepare(np.array([0, 0, 1], np.int32), np.array([0, 1, 0], np.int32))
+    c.truncate(0, 1)  # a hole at cell 1
+    batches = [c.prepare(np.array([1, 0], np.int32), np.array([1, 1], np.int32)),
+               c.prepare_one(2, 0), c.prepare_run(0, 2, 4)]
+    for s in batches:
+        want = [h * n_ctx + int(cell) for cell in s.idx for h in range(H)]
+        assert s.rows.dtype == np.int32 and s.rows.tolist() == want
+    assert batches[0].idx.tolist() == [1, 3]  # the hole is reused first
