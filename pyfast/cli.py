@@ -11,6 +11,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="GGUF path, registry name (smollm2) or hf://owner/repo/file.gguf (default: smollm2)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16, f32, q8_0")
+    p.add_argument("-ctv", "--cache-type-v", default=None, help="KV cache type for V (default: as K)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -67,7 +69,8 @@ def _load(a):
     from pyfast.llm import LLM
 
     spec = _spec_config(a)  # checked before the model loads
-    return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec)
+    return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec,
+               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v)
 
 
 def _print_timings(res) -> None:
@@ -137,7 +140,8 @@ def cmd_perplexity(a) -> int:
 
     with open(a.file, encoding="utf-8") as f:
         text = f.read()
-    llm = LLM(a.model, n_ctx=max(a.ctx_size, 512), n_threads=a.threads, verbose=True)
+    llm = LLM(a.model, n_ctx=max(a.ctx_size, 512), n_threads=a.threads, verbose=True,
+              cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v)
     res = llm.perplexity(text, n_ctx=a.ctx_size)
     print(f"chunks: {res.n_chunks}, scored tokens: {res.n_scored}")
     print(f"PPL = {res.ppl:.4f}")
@@ -256,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", default=None)
     p.add_argument("-f", "--file", required=True)
     p.add_argument("-c", "--ctx-size", type=int, default=512)
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16, f32, q8_0")
+    p.add_argument("-ctv", "--cache-type-v", default=None, help="KV cache type for V (default: as K)")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.set_defaults(fn=cmd_perplexity)
 

@@ -48,11 +48,14 @@ class Context:
     export_hidden: also keep the post-final-norm hidden state of every row of every batch in
                    ``last_hidden`` (float32 [n_tokens, n_embd], caller's row order) for drafters
                    that consume it (MTP). Off by default; costs nothing when off.
+    kv_dtype, kv_dtype_v: how K and V rows are stored ("f16" default, "f32", "q8_0"; V as K
+                   unless given). Q8_0 halves the cache and the bytes attention reads.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_ubatch: int = 512, kv_dtype: "native.DType" = native.DType.F16, max_plans: int = 12,
-                 n_seq_max: int = 4, n_rollback: int = 0, export_hidden: bool = False):
+                 n_ubatch: int = 512, kv_dtype: "native.DType | str" = native.DType.F16, max_plans: int = 12,
+                 n_seq_max: int = 4, n_rollback: int = 0, export_hidden: bool = False,
+                 kv_dtype_v: "native.DType | str | None" = None):
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         if n_ubatch < 1:
@@ -78,12 +81,13 @@ class Context:
             if n_rollback + 1 > n_ubatch:
                 raise ValueError(f"n_ubatch ({n_ubatch}) must be >= n_rollback + 1 ({n_rollback + 1}): a "
                                  f"sequence's last n_rollback + 1 tokens of a batch must fit in one micro-batch")
-            self.kv = KVCache(len(spec.attn_layers), n_ctx, spec.n_head_kv, spec.head_dim, kv_dtype, spec.head_dim_v)
+            self.kv = KVCache(len(spec.attn_layers), n_ctx, spec.n_head_kv, spec.head_dim, kv_dtype, spec.head_dim_v,
+                              dtype_v=kv_dtype_v)
             self.rec = RecurrentMemory(len(spec.recurrent_layers), spec.recurrent, n_seq_max, n_rollback)
             self.memory: KVCache | HybridMemory = HybridMemory(self.kv, self.rec)
         else:
             n_layer, n_head_kv, head_dim = model.kv_geometry()
-            self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype)
+            self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype, dtype_v=kv_dtype_v)
             self.memory = self.kv
         self.n_seq_max, self.n_rollback = n_seq_max, n_rollback
         self._plans: OrderedDict[tuple, object] = OrderedDict()

@@ -24,6 +24,22 @@ from pyfast._loader import native
 
 KV_PAD = 256  # the visible cache length (n_kv) grows in steps of this many cells
 
+# What a cache row may be stored as (llama.cpp's --cache-type-k / -v names). Q8_0 halves the bytes
+# attention reads per cell (blocks of 32 along the head dim; a row is quantized when written).
+CACHE_TYPES = {"f32": native.DType.F32, "f16": native.DType.F16, "q8_0": native.DType.Q8_0}
+
+
+def cache_dtype(name: "str | native.DType", what: str = "cache type") -> "native.DType":
+    """A cache type name (f32, f16, q8_0) or DType -> DType; a clear error for anything else."""
+    if isinstance(name, native.DType):
+        if name in CACHE_TYPES.values():
+            return name
+        raise ValueError(f"{what}: {name} is not supported (use one of {', '.join(CACHE_TYPES)})")
+    dt = CACHE_TYPES.get(str(name).lower())
+    if dt is None:
+        raise ValueError(f"{what}: unknown type {name!r} (use one of {', '.join(CACHE_TYPES)})")
+    return dt
+
 
 class KVCacheFull(RuntimeError):
     """No free cells left for a batch."""
@@ -50,7 +66,8 @@ class KVCache:
     """K/V storage for every attention layer plus the cell bookkeeping."""
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int,
-                 dtype: "native.DType" = native.DType.F16, head_dim_v: int | None = None):
+                 dtype: "native.DType" = native.DType.F16, head_dim_v: int | None = None,
+                 dtype_v: "native.DType | None" = None):
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         self.n_layer = n_layer
@@ -58,9 +75,15 @@ class KVCache:
         self.n_head_kv = n_head_kv
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v or head_dim
-        self.dtype = dtype
-        self.k_row_bytes = native.dtype_row_size(dtype, head_dim)  # one head of one cell
-        self.v_row_bytes = native.dtype_row_size(dtype, self.head_dim_v)
+        self.dtype = cache_dtype(dtype, "K cache type")        # K rows
+        self.dtype_v = cache_dtype(dtype if dtype_v is None else dtype_v, "V cache type")
+        for dt, d, what in ((self.dtype, head_dim, "K"), (self.dtype_v, self.head_dim_v, "V")):
+            bs = native.dtype_block_size(dt)
+            if d % bs:
+                raise ValueError(f"{what} cache type {dt.name.lower()} needs a head dim that is a multiple of "
+                                 f"{bs}; this model's is {d}")
+        self.k_row_bytes = native.dtype_row_size(self.dtype, head_dim)  # one head of one cell
+        self.v_row_bytes = native.dtype_row_size(self.dtype_v, self.head_dim_v)
         self.k_layer_bytes = n_head_kv * n_ctx * self.k_row_bytes
         self.v_layer_bytes = n_head_kv * n_ctx * self.v_row_bytes
         self.k = native.Buffer(n_layer * self.k_layer_bytes)

@@ -241,6 +241,11 @@ class MemorySpec:
         return bool(self.recurrent_layers)
 
 
+def _elem_stride(dt) -> int:
+    """The innermost stride of a view in bytes (0 for block-quantized types)."""
+    return 0 if native.dtype_block_size(dt) > 1 else native.dtype_type_size(dt)
+
+
 class GraphBuilder:
     """Wraps a native Graph with the inputs of one batch shape and layer helpers."""
 
@@ -315,14 +320,13 @@ class GraphBuilder:
         # the cache is head-major ([H, n_ctx, D] per layer, see kv_cache.py): the batch's K/V go
         # in as T * H rows (kv_idx: BatchSlots.rows), attention sees them as [n_kv, H, D]
         k_cache = g.external(f"cache_k.{il}", kv.dtype, [H * n_ctx, kv.head_dim], kv.k, offset=il * kv.k_layer_bytes)
-        v_cache = g.external(f"cache_v.{il}", kv.dtype, [H * n_ctx, kv.head_dim_v], kv.v,
+        v_cache = g.external(f"cache_v.{il}", kv.dtype_v, [H * n_ctx, kv.head_dim_v], kv.v,
                              offset=il * kv.v_layer_bytes)
         k_all = g.set_rows(k_cache, g.reshape(k, [T * H, kv.head_dim]), self.kv_idx)
         v_all = g.set_rows(v_cache, g.reshape(v, [T * H, kv.head_dim_v]), self.kv_idx)
-        es = 0 if native.dtype_block_size(kv.dtype) > 1 else native.dtype_type_size(kv.dtype)
         kb, vb = kv.k_row_bytes, kv.v_row_bytes
-        k_vis = g.view(k_all, [n_kv, H, kv.head_dim], [kb, n_ctx * kb, es])
-        v_vis = g.view(v_all, [n_kv, H, kv.head_dim_v], [vb, n_ctx * vb, es])
+        k_vis = g.view(k_all, [n_kv, H, kv.head_dim], [kb, n_ctx * kb, _elem_stride(kv.dtype)])
+        v_vis = g.view(v_all, [n_kv, H, kv.head_dim_v], [vb, n_ctx * vb, _elem_stride(kv.dtype_v)])
         o = g.attention(q, k_vis, v_vis, self.mask, self.kv_order, scale)
         n_head = q.shape[1]
         return g.reshape(o, [T, n_head * kv.head_dim_v])

@@ -188,7 +188,8 @@ class MTPProposer(Proposer):
             dtype = self.kv_dtype
             if dtype is None:
                 dtype = self.target.kv.dtype if self.target is not None else native.DType.F16
-            self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype)
+            dtype_v = self.target.kv.dtype_v if self.target is not None and self.kv_dtype is None else None
+            self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, dtype_v=dtype_v)
         if self.pool is None:
             from pyfast.context import default_threads
 

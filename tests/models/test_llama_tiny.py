@@ -135,3 +135,44 @@ def test_bad_token_and_position_rejected(tiny_f32):
         ctx.decode([1], positions=[-1])
     with pytest.raises(ValueError, match="same"):
         ctx.decode([1, 2], positions=[0, 0], seq_ids=[0, 0])
+
+
+@pytest.fixture(scope="module")
+def tiny_hd32(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny32") / "tiny-hd32-f32.gguf"
+    write_tiny_llama(path, n_vocab=96, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, wtype="f32", seed=5)
+    return path
+
+
+@pytest.mark.parametrize("ctk, ctv", [("q8_0", "q8_0"), ("q8_0", "f16"), ("f16", "q8_0")])
+def test_q8_0_kv_cache_matches_reference(tiny_hd32, isa, ctk, ctv):
+    # K/V rows quantized to Q8_0 when written: the logits stay within Q8_0's rounding of the
+    # exact reference, and a sequence gives the same bits alone or interleaved with another one.
+    ref = LlamaRef(tiny_hd32)
+    a, b = [5, 6, 7, 8, 9, 10, 11], [60, 50, 40]
+    ctx = Context(Model(tiny_hd32), n_ctx=128, n_threads=2, kv_dtype=ctk, kv_dtype_v=ctv)
+    got = [ctx.decode(a[:4], logits="all")]
+    for t in a[4:]:
+        got.append(ctx.decode([t], logits="last"))
+    got = np.concatenate(got)
+    assert rel_err(got, ref.logits(a)) < 2e-2
+    both = Context(Model(tiny_hd32), n_ctx=128, n_threads=3, kv_dtype=ctk, kv_dtype_v=ctv)
+    both.decode(b, seq_ids=1, logits="none")
+    lg = [both.decode(a[:4], seq_ids=0, logits="all")] + [both.decode([t], seq_ids=0, logits="last") for t in a[4:]]
+    np.testing.assert_array_equal(np.concatenate(lg), got)
+    # saved and restored into other cells of another cache, decoding goes on bit for bit
+    rows = ctx.kv.save_seq(0)
+    nxt = ctx.decode([3], positions=[len(a)], seq_ids=0, logits="last")
+    other = Context(Model(tiny_hd32), n_ctx=128, n_threads=2, kv_dtype=ctk, kv_dtype_v=ctv)
+    other.decode([1, 2], seq_ids=4, logits="none")
+    other.kv.restore_seq(0, rows)
+    np.testing.assert_array_equal(other.decode([3], positions=[len(a)], seq_ids=0, logits="last"), nxt)
+
+
+def test_bad_cache_types_are_clear_errors(tiny_f32, tiny_hd32):
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Context(Model(tiny_f32), n_ctx=64, kv_dtype="q8_0")  # head dim 16
+    with pytest.raises(ValueError, match="unknown type 'q4_0'"):
+        Context(Model(tiny_hd32), n_ctx=64, kv_dtype="q4_0")
+    with pytest.raises(ValueError, match="V cache type"):
+        Context(Model(tiny_hd32), n_ctx=64, kv_dtype_v="bf16")

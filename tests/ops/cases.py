@@ -29,7 +29,7 @@ ACCEPTS = {
     "rms_norm": {0: {F32}},
     "rope": {0: {F32}, 1: {I32}},
     "softmax": {0: {F32}, 1: {F32}},
-    "attention": {0: {F32}, 1: {F32, F16}, 2: {F32, F16}, 3: {F32}, 4: {I32}},
+    "attention": {0: {F32}, 1: {F32, F16, Q8_0}, 2: {F32, F16, Q8_0}, 3: {F32}, 4: {I32}},
     "silu": {0: {F32}},
     "swiglu": {0: {F32}, 1: {F32}},
     "set_rows": {0: set(WEIGHT_TYPES), 1: {F32}, 2: {I32}},
@@ -206,6 +206,11 @@ def _cases() -> list[Case]:
         att(7, 4, 2, 32, 20, qlay=permuted(1, 0, 2), kvlay=padded((5, 1, 0)), label="strided_qkv"),
         att(3, 8, 8, 128, 7, kt=F16, vt=F16, kvlay=padded((2, 2, 0)), scale=0.05, label="mha_d128_f16view"),
         att(3, 2, 1, 20, 9, kt=F16, vt=F16, Dv=12, label="d20_dv12_f16"),
+        # a Q8_0 KV cache (blocks of 32 along the head dim)
+        att(7, 4, 2, 64, 33, kt=Q8_0, vt=Q8_0, mask=causal_mask(26), label="causal_q8_0"),
+        att(5, 6, 2, 32, 65, kt=Q8_0, vt=F16, Dv=64, order=True, label="gqa3_q8k_f16v"),
+        att(33, 2, 1, 64, 65, kt=Q8_0, vt=Q8_0, mask=causal_mask(32), order=True, label="t33_q8_0_lanes"),
+        att(3, 8, 8, 128, 7, kt=Q8_0, vt=Q8_0, kvlay=padded((2, 2, 0)), scale=0.05, label="mha_d128_q8_0view"),
     ]
 
     # ---- silu / swiglu ----------------------------------------------------------------------

@@ -77,7 +77,7 @@ BAD = {
     ],
     "attention": [
         ("q 2-D", lambda g: _att(g, q=(2, 8))),
-        ("k q8_0", lambda g: _att(g, q=(2, 1, 32), k=(5, 1, 32), v=(5, 1, 32), kt=Q8_0)),
+        ("k q4_0", lambda g: _att(g, q=(2, 1, 32), k=(5, 1, 32), v=(5, 1, 32), kt=Q4_0)),
         ("v bf16", lambda g: _att(g, vt=BF16)),
         ("q f16", lambda g: _att(g, qt=F16)),
         ("head dim differs", lambda g: _att(g, k=(5, 1, 4))),

@@ -313,6 +313,19 @@ PF_A512 void pv_all(float* const* acc, const float* const* p, const float* corr,
 }
 
 PF_A512 inline void widen_row(const Node* t, const uint8_t* src, float* dst, int64_t n) {
+  if (t->dtype == DType::Q8_0) {  // blocks of 32: d (f16) then 32 int8; x = d * q, as row_to_f32
+    for (int64_t b = 0; b < n / 32; ++b) {
+      const uint8_t* blk = src + 34 * b;
+      uint16_t dh;
+      std::memcpy(&dh, blk, 2);
+      const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+      for (int h = 0; h < 2; ++h) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h));
+        _mm512_storeu_ps(dst + 32 * b + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+      }
+    }
+    return;
+  }
   if (t->dtype == DType::F32) {
     for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(reinterpret_cast<const float*>(src) + i));
   } else {
@@ -522,6 +535,7 @@ struct Kern {
 
 inline void load_row(const Node* t, const uint8_t* p, float* out, int64_t n, bool avx2) {
   if (t->dtype == DType::F32) { std::memcpy(out, p, (size_t)n * 4); return; }
+  if (t->dtype == DType::Q8_0) { row_to_f32(t->dtype, p, out, n); return; }
 #if defined(__x86_64__)
   if (avx2) { f16_to_f32_avx2(reinterpret_cast<const uint16_t*>(p), out, n); return; }
 #endif
@@ -599,7 +613,8 @@ void cpu_attention(const ComputeParams& p, Node& dst, const Node* const* src) {
   // shapes only).
   const bool a512 = p.isa == CpuIsa::avx512 && D % 16 == 0 && D <= 256 && (D / 16 <= 8 || D / 16 == 12 || D / 16 == 16) &&
                     (Dv == 16 || Dv == 32 || Dv == 64 || Dv == 128) &&
-                    (K->dtype == DType::F16 || K->dtype == DType::F32) && (V->dtype == DType::F16 || V->dtype == DType::F32);
+                    (K->dtype == DType::F16 || K->dtype == DType::F32 || K->dtype == DType::Q8_0) &&
+                    (V->dtype == DType::F16 || V->dtype == DType::F32 || V->dtype == DType::Q8_0);
   // Work items: (kv head, tile of query rows); query rows are (token, head in group). Tiles are
   // smaller than kTile (kTileMax on the AVX-512 path) when that is needed for at least 3 items per thread (a short batch has
   // few rows per head); results do not depend on the tiling.
