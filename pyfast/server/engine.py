@@ -68,6 +68,8 @@ class EngineConfig:
     n_checkpoints: int = 8       # hybrid models: context checkpoints kept per slot (0 = none)
     n_rollback: int | None = None  # hybrid models: snapshot planes (None = the draft limit; fewer
                                    # save memory, longer drafts then save/restore/replay instead)
+    cache_type_k: str = "f16"    # KV cache row types (f16, f32, q8_0); V as K unless given
+    cache_type_v: str | None = None
 
     def validate(self) -> "EngineConfig":
         if self.n_parallel < 1:
@@ -86,6 +88,11 @@ class EngineConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.n_threads is not None and self.n_threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.n_threads}")
+        from pyfast.memory.kv_cache import cache_dtype
+
+        cache_dtype(self.cache_type_k, "--cache-type-k")  # an unknown name fails before the model loads
+        if self.cache_type_v is not None:
+            cache_dtype(self.cache_type_v, "--cache-type-v")
         self.spec.validate()
         return self
 
@@ -250,7 +257,8 @@ class Engine:
         export_hidden = self.spec is not None and self.spec.needs_hidden  # draft-mtp reads hidden rows
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=cfg.n_threads, max_plans=64,
                            n_ubatch=max(cfg.n_ubatch, n_rollback + 1), n_seq_max=cfg.n_parallel,
-                           n_rollback=n_rollback, export_hidden=export_hidden)
+                           n_rollback=n_rollback, export_hidden=export_hidden,
+                           kv_dtype=cfg.cache_type_k, kv_dtype_v=cfg.cache_type_v)
         self.ctx.max_plans += 2 * max_draft  # verify batches come in more sizes
         if self.spec is not None:
             self.spec.bind_target(self.ctx)

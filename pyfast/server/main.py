@@ -18,6 +18,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=8192,
                    help="KV cache size in tokens, shared by the slots (each gets ctx-size / parallel)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16, f32, q8_0")
+    p.add_argument("-ctv", "--cache-type-v", default=None, help="KV cache type for V (default: as K)")
     p.add_argument("-b", "--batch-size", type=int, default=512,
                    help="most prompt tokens decoded in one scheduler step (all slots together)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512,
@@ -73,7 +75,8 @@ def serve_from_args(a: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(levelname)s: %(message)s")
     cfg = EngineConfig(model=a.model, n_parallel=a.parallel, n_ctx=a.ctx_size, n_threads=a.threads,
                        n_batch=a.batch_size, n_ubatch=a.ubatch_size, n_checkpoints=a.ctx_checkpoints,
-                       max_queue=a.max_queue, alias=a.alias,
+                       max_queue=a.max_queue, alias=a.alias, cache_type_k=a.cache_type_k,
+                       cache_type_v=a.cache_type_v,
                        spec=SpecConfig(spec_type=a.spec_type, n_max=a.draft_max, n_min=a.draft_min,
                                        p_min=a.draft_p_min, draft_model=a.model_draft))
     engine = Engine(cfg)

@@ -19,6 +19,19 @@ def test_serve_flags():
     assert a.ctx_size == 8192 and a.api_key == ["k1", "k2"] and a.draft_max == 8 and a.max_queue == 5
     d = build_parser().parse_args(["serve"])
     assert d.host == "127.0.0.1" and d.model is None and d.spec_type == "none"
+    assert d.cache_type_k == "f16" and d.cache_type_v is None
+    q = build_parser().parse_args(["serve", "-ctk", "q8_0", "-ctv", "f16"])
+    assert q.cache_type_k == "q8_0" and q.cache_type_v == "f16"
+
+
+def test_engine_config_rejects_unknown_cache_types():
+    from pyfast.server.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="--cache-type-k"):
+        EngineConfig(cache_type_k="q4_0").validate()
+    with pytest.raises(ValueError, match="--cache-type-v"):
+        EngineConfig(cache_type_v="int8").validate()
+    EngineConfig(cache_type_k="Q8_0", cache_type_v="f32").validate()
 
 
 def test_api_key_file(tmp_path):
