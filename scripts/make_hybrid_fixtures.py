@@ -59,10 +59,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-NAMES = ("qwen35", "qwen35moe", "qwen3next")
+NAMES = ("qwen35", "qwen35moe", "qwen3next", "qwen35kv2")
+# qwen35kv2: Qwen3.5 dense with 4 query heads over 2 KV heads (the others have one KV head), so the
+# KV cache's per-head layout is exercised end to end (draft-mtp included)
+ARCH_OF = {"qwen35": "qwen35", "qwen35moe": "qwen35moe", "qwen3next": "qwen3next", "qwen35kv2": "qwen35"}
 SEQ_LENS = (13, 9)
 N_PREFILL = 5
-BASE_SEED = {"qwen35": 3501, "qwen35moe": 3502, "qwen3next": 3503}
+BASE_SEED = {"qwen35": 3501, "qwen35moe": 3502, "qwen3next": 3503, "qwen35kv2": 3504}
 MIN_ROUTER_MARGIN = 1e-4
 
 # ---------------------------------------------------------------------------------------------
@@ -152,13 +155,15 @@ def make_config(name: str, special_ids: dict[str, int]):
     common = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=4,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_attention_heads=4 if name == "qwen35kv2" else 2, num_key_value_heads=2 if name == "qwen35kv2" else 1,
+        head_dim=16,
         linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16,
         max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu",
         bos_token_id=special_ids["<|endoftext|>"], eos_token_id=special_ids["<|endoftext|>"],
     )
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=16)
+    name = ARCH_OF[name]
     if name == "qwen35":
         rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                     mrope_section=[2, 1, 1], mrope_interleaved=True)
@@ -179,7 +184,8 @@ def model_class(name: str):
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-    return {"qwen35": Qwen3_5ForCausalLM, "qwen35moe": Qwen3_5MoeForCausalLM, "qwen3next": Qwen3NextForCausalLM}[name]
+    return {"qwen35": Qwen3_5ForCausalLM, "qwen35moe": Qwen3_5MoeForCausalLM,
+            "qwen3next": Qwen3NextForCausalLM}[ARCH_OF[name]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,7 +347,7 @@ def rope_positions(name: str, T: int):
     import torch
 
     pos = torch.arange(T)
-    if name in ("qwen35", "qwen35moe"):
+    if ARCH_OF[name] in ("qwen35", "qwen35moe"):
         return pos.view(1, 1, T).expand(3, 1, T)      # M-RoPE: t/h/w rows, all equal for text
     return pos[None]
 
@@ -466,7 +472,7 @@ def build(name: str, out_dir: Path) -> dict:
     for k in range(20):
         seed = BASE_SEED[name] + 7919 * k
         info = build_one(name, out_dir, seed)
-        if name == "qwen35" or info["router_margin"] >= MIN_ROUTER_MARGIN:
+        if ARCH_OF[name] == "qwen35" or info["router_margin"] >= MIN_ROUTER_MARGIN:
             return info
         print(f"{name}: seed {seed} has router margin {info['router_margin']:.2e}; trying the next seed")
     raise RuntimeError(f"{name}: no seed with a router margin above {MIN_ROUTER_MARGIN}")

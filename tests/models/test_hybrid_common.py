@@ -18,7 +18,7 @@ from pyfast._loader import native
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(os.environ.get("PYFAST_HYBRID_FIXTURES", ROOT / "tests" / "fixtures" / "hybrid"))
-NAMES = ("qwen35", "qwen35moe", "qwen3next")
+NAMES = ("qwen35", "qwen35moe", "qwen3next", "qwen35kv2")  # qwen35kv2: 2 KV heads (the others have 1)
 TOL = 1e-3          # vs the float64 transformers reference
 TOL_SELF = 1e-5     # our own runs compared with each other (rollback / restore)
 
