@@ -2,8 +2,9 @@
 """Build the tiny hybrid Gated-DeltaNet fixtures under tests/fixtures/hybrid/ (needs torch and
 transformers; everything else in pyfast reads the results without them).
 
-For each of ``qwen35`` (Qwen3.5 dense, ``qwen3_5_text``), ``qwen35moe`` (``qwen3_5_moe_text``) and
-``qwen3next`` (``qwen3_next``):
+For each of ``qwen35`` (Qwen3.5 dense, ``qwen3_5_text``), ``qwen35moe`` (``qwen3_5_moe_text``),
+``qwen3next`` (``qwen3_next``) and ``qwen35kv2`` (``qwen35`` with 4 query heads over 2 KV heads; the
+others have one KV head):
 
 1. a tiny random model is built with transformers; every parameter (norm weights, A_log,
    dt_bias, conv kernels included) is drawn from a seeded numpy generator, so the result does not
