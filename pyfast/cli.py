@@ -11,6 +11,11 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="GGUF path, registry name (smollm2) or hf://owner/repo/file.gguf (default: smollm2)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
+    add_cache_type_arguments(p)
+
+
+def add_cache_type_arguments(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's KV cache type flags (generate, chat, perplexity, serve)."""
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16, f32, q8_0")
     p.add_argument("-ctv", "--cache-type-v", default=None, help="KV cache type for V (default: as K)")
 
@@ -260,8 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", default=None)
     p.add_argument("-f", "--file", required=True)
     p.add_argument("-c", "--ctx-size", type=int, default=512)
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16, f32, q8_0")
-    p.add_argument("-ctv", "--cache-type-v", default=None, help="KV cache type for V (default: as K)")
+    add_cache_type_arguments(p)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.set_defaults(fn=cmd_perplexity)
 

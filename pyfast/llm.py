@@ -394,7 +394,7 @@ class LLM:
                 if len(out) >= max_tokens or len(history) >= n_ctx:
                     break
             text = dec.feed(out)
-            source = iter(())
+            source = iter(())  # consumed: the streaming loop below has nothing left to do
         for tok in source:
             if not ignore_eos and self.tokenizer.is_eog(tok):
                 finish = "stop"

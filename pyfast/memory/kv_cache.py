@@ -94,7 +94,7 @@ class KVCache:
         # prepare_one's / prepare_run's reusable outputs (allocated on first use); the cell order
         # buffer is shared
         self._one_mask = self._order = self._run_mask = self._run_idx = None
-        self._head_off = (np.arange(n_head_kv, dtype=np.int32) * n_ctx)[None, :]
+        self._head_off = np.arange(n_head_kv, dtype=np.int32) * np.int32(n_ctx)  # row of cell 0, per head
 
     # --- bookkeeping -----------------------------------------------------------------------
     @property
@@ -256,6 +256,5 @@ class KVCache:
         if cell < 0:
             raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, 1 more needed")
         self._used_top = max(self._used_top, cell + 1)
-        idx = np.array([cell], dtype=np.int32)
-        return BatchSlots(idx=idx, mask=self._one_mask[:n_kv].reshape(1, n_kv), order=self._order[:n_kv], n_kv=n_kv,
-                          rows=self.head_rows(idx))
+        return BatchSlots(idx=np.array([cell], dtype=np.int32), mask=self._one_mask[:n_kv].reshape(1, n_kv),
+                          order=self._order[:n_kv], n_kv=n_kv, rows=self._head_off + np.int32(cell))

@@ -10,6 +10,8 @@ import sys
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from pyfast.cli import add_cache_type_arguments
+
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path, registry name or hf://owner/repo/file.gguf (default: smollm2)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -18,8 +20,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=8192,
                    help="KV cache size in tokens, shared by the slots (each gets ctx-size / parallel)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16, f32, q8_0")
-    p.add_argument("-ctv", "--cache-type-v", default=None, help="KV cache type for V (default: as K)")
+    add_cache_type_arguments(p)
     p.add_argument("-b", "--batch-size", type=int, default=512,
                    help="most prompt tokens decoded in one scheduler step (all slots together)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512,

@@ -185,10 +185,12 @@ class MTPProposer(Proposer):
     def _ensure(self) -> None:
         if self.kv is None:
             a = self.args
-            dtype = self.kv_dtype
-            if dtype is None:
-                dtype = self.target.kv.dtype if self.target is not None else native.DType.F16
-            dtype_v = self.target.kv.dtype_v if self.target is not None and self.kv_dtype is None else None
+            if self.kv_dtype is not None:
+                dtype, dtype_v = self.kv_dtype, None
+            elif self.target is not None:  # the target's cache types
+                dtype, dtype_v = self.target.kv.dtype, self.target.kv.dtype_v
+            else:
+                dtype, dtype_v = native.DType.F16, None
             self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, dtype_v=dtype_v)
         if self.pool is None:
             from pyfast.context import default_threads
