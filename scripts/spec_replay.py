@@ -8,7 +8,7 @@ and an oracle that drafts exactly the tokens that will be accepted bounds what a
 could gain.
 
     python scripts/spec_replay.py record [--prompts copy] [-o copy.json]   # needs the model
-    python scripts/spec_replay.py replay copy.json [--spec ngram-simple] [--oracle]
+    python scripts/spec_replay.py replay copy.json [--spec ngram-simple] [--oracle] [--sizes]
 
 Cost model, in plain decoding steps: a decode of T rows costs 1.03 for T = 1 and
 1.21 + 0.214 (T - 2) for T >= 2, plus 0.016 per row of the decode before it (the weights it let
@@ -64,8 +64,9 @@ def record(prompts: str, out: str, model: str | None, n_gen: int) -> None:
     print(f"{len(seqs)} greedy outputs ({sum(len(s['generated']) for s in seqs)} tokens) -> {out}")
 
 
-def replay_one(prompt, generated, proposers, controller, n_max: int, oracle: bool):
-    """Simulated (speculative ms, plain ms, drafted, accepted) for one sequence."""
+def replay_one(prompt, generated, proposers, controller, n_max: int, oracle: bool, sizes: dict | None = None):
+    """Simulated (speculative ms, plain ms, drafted, accepted) for one sequence; ``sizes`` (if
+    given) collects [rounds, ms] per verify batch size."""
     from pyfast.spec.base import DraftRequest
 
     full = np.asarray(list(prompt) + list(generated), dtype=np.int32)
@@ -91,7 +92,11 @@ def replay_one(prompt, generated, proposers, controller, n_max: int, oracle: boo
             draft, winner, key, k = cont[:m], p, kind_key, min(k_full, m)
             break
         N = 0 if draft is None else len(draft)
-        spec_ms += rows_cost(N + 1, prev_T) * step_ms(n) + (PY_DRAFT_MS if N else PY_NODRAFT_MS)
+        round_ms = rows_cost(N + 1, prev_T) * step_ms(n) + (PY_DRAFT_MS if N else PY_NODRAFT_MS)
+        spec_ms += round_ms
+        if sizes is not None:
+            acc = sizes.setdefault(N + 1, [0, 0.0])
+            acc[0], acc[1] = acc[0] + 1, acc[1] + round_ms
         prev_T = N + 1
         for p in proposers:
             p.accept(0, k, other=p is not winner)
@@ -103,7 +108,7 @@ def replay_one(prompt, generated, proposers, controller, n_max: int, oracle: boo
     return spec_ms, plain_ms, drafted, accepted
 
 
-def replay(path: str, types: list[str], n_max: int, adaptive: bool, oracle: bool) -> None:
+def replay(path: str, types: list[str], n_max: int, adaptive: bool, oracle: bool, show_sizes: bool = False) -> None:
     from pyfast.spec.adaptive import AdaptiveController
     from pyfast.spec.config import SpecConfig, make_proposers
 
@@ -118,14 +123,18 @@ def replay(path: str, types: list[str], n_max: int, adaptive: bool, oracle: bool
     tot_s = tot_p = 0.0
     tot_d = tot_a = 0
     per = []
+    sizes: dict = {}
     for s in data["sequences"]:
-        sm, pm, d, a = replay_one(s["prompt"], s["generated"], proposers, controller, n_max, oracle)
+        sm, pm, d, a = replay_one(s["prompt"], s["generated"], proposers, controller, n_max, oracle, sizes)
         tot_s, tot_p, tot_d, tot_a = tot_s + sm, tot_p + pm, tot_d + d, tot_a + a
         per.append(pm / sm)
     label = ",".join(types) + (" oracle lengths" if oracle else " adaptive" if adaptive else "")
     print(f"{data['prompts']}: {label}: simulated speedup {tot_p / tot_s:.3f}x, acceptance "
           f"{tot_a / max(tot_d, 1):.1%} ({tot_a} of {tot_d} drafted)")
     print("  per prompt: " + " ".join(f"{x:.2f}" for x in per))
+    if show_sizes:  # where the time goes: rounds and share of the simulated time by batch rows
+        print("  rows: rounds (time share) " + ", ".join(
+            f"{T}: {n} ({ms / tot_s:.1%})" for T, (n, ms) in sorted(sizes.items())))
 
 
 def main() -> None:
@@ -142,11 +151,12 @@ def main() -> None:
     p.add_argument("--draft-max", type=int, default=16)
     p.add_argument("--no-adaptive", action="store_true", help="draft at full length")
     p.add_argument("--oracle", action="store_true", help="draft exactly the tokens that will be accepted")
+    p.add_argument("--sizes", action="store_true", help="also print rounds and time share per verify batch size")
     a = ap.parse_args()
     if a.cmd == "record":
         record(a.prompts, a.out or f"{a.prompts}.json", a.model, a.n_gen)
     else:
-        replay(a.path, a.spec.split(","), a.draft_max, not a.no_adaptive, a.oracle)
+        replay(a.path, a.spec.split(","), a.draft_max, not a.no_adaptive, a.oracle, a.sizes)
 
 
 if __name__ == "__main__":
