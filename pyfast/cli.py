@@ -12,6 +12,30 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
     add_cache_type_arguments(p)
+    add_control_vector_arguments(p)
+
+
+def add_control_vector_arguments(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's control vector flags (generate, chat, perplexity, serve)."""
+    p.add_argument("--control-vector", action="append", default=None, metavar="FNAME",
+                   help="add a control vector (a GGUF of direction.N tensors; comma-separated or repeated "
+                        "for several)")
+    p.add_argument("--control-vector-scaled", action="append", default=None, metavar="FNAME:SCALE",
+                   help="add a control vector scaled by SCALE (comma-separated or repeated)")
+    p.add_argument("--control-vector-layer-range", nargs=2, type=int, default=None, metavar=("START", "END"),
+                   help="layers whose outputs get the control vectors, inclusive (default: 1 to the last)")
+
+
+def control_vector_kwargs(a: argparse.Namespace) -> dict:
+    """LLM / EngineConfig keyword arguments from the control vector flags."""
+    from pyfast.control_vector import parse_scaled
+
+    items = [(path, 1.0) for v in (a.control_vector or []) for path in v.split(",") if path]
+    items += [it for v in (a.control_vector_scaled or []) for it in parse_scaled(v)]
+    rng = a.control_vector_layer_range
+    if rng is not None and not items:
+        raise ValueError("--control-vector-layer-range needs --control-vector or --control-vector-scaled")
+    return dict(control_vectors=items or None, control_vector_layer_range=tuple(rng) if rng else None)
 
 
 def add_cache_type_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,7 +99,7 @@ def _load(a):
 
     spec = _spec_config(a)  # checked before the model loads
     return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec,
-               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v)
+               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, **control_vector_kwargs(a))
 
 
 def _print_timings(res) -> None:
@@ -146,7 +170,7 @@ def cmd_perplexity(a) -> int:
     with open(a.file, encoding="utf-8") as f:
         text = f.read()
     llm = LLM(a.model, n_ctx=max(a.ctx_size, 512), n_threads=a.threads, verbose=True,
-              cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v)
+              cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, **control_vector_kwargs(a))
     res = llm.perplexity(text, n_ctx=a.ctx_size)
     print(f"chunks: {res.n_chunks}, scored tokens: {res.n_scored}")
     print(f"PPL = {res.ppl:.4f}")
@@ -266,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", required=True)
     p.add_argument("-c", "--ctx-size", type=int, default=512)
     add_cache_type_arguments(p)
+    add_control_vector_arguments(p)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.set_defaults(fn=cmd_perplexity)
 

@@ -60,6 +60,31 @@ class PerplexityResult:
     nll: float  # mean negative log-likelihood per scored token
 
 
+def _control_vector(items, layer_range):
+    """LLM's control_vectors argument as one ControlVector (or None)."""
+    from pyfast.control_vector import ControlVector
+
+    if items is None or (not isinstance(items, ControlVector) and not items):
+        if layer_range is not None:
+            raise ValueError("control_vector_layer_range needs control_vectors")
+        return None
+    if layer_range is not None and (len(layer_range) != 2 or not all(isinstance(v, int) for v in layer_range)):
+        raise ValueError(f"control_vector_layer_range must be two layer numbers (first, last), got {layer_range!r}")
+    if isinstance(items, ControlVector):
+        return items
+    if isinstance(items, (str, os.PathLike)):
+        items = [items]
+    pairs = []
+    for it in items:
+        if isinstance(it, (str, os.PathLike)):
+            pairs.append((it, 1.0))
+        elif isinstance(it, (tuple, list)) and len(it) == 2 and isinstance(it[1], (int, float)):
+            pairs.append((it[0], float(it[1])))
+        else:
+            raise ValueError(f"control_vectors: expected a path or a (path, strength) pair, got {it!r}")
+    return ControlVector.combine(pairs)
+
+
 class LLM:
     """A GGUF model ready to generate.
 
@@ -75,19 +100,27 @@ class LLM:
     cache_type_k, cache_type_v: how the KV cache stores K and V rows: "f16" (default), "f32" or
     "q8_0" (V as K unless given; llama.cpp's --cache-type-k / -v). Q8_0 halves the cache's memory
     and the bytes attention reads per token, at a small cost in precision.
+    control_vectors: control-vector GGUFs added to the residual stream (llama.cpp's
+    --control-vector): paths (strength 1) or (path, strength) pairs, summed; or a
+    ``pyfast.control_vector.ControlVector``. control_vector_layer_range: (first, last) layer whose
+    output gets its direction, inclusive (default 1 .. n_layer).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096,
                  n_threads: int | None = None, n_ubatch: int = 512, verbose: bool = False,
                  speculative: SpecConfig | None = None, n_seq_max: int = 4, cache_type_k: str = "f16",
-                 cache_type_v: str | None = None):
+                 cache_type_v: str | None = None, control_vectors=None,
+                 control_vector_layer_range: tuple[int, int] | None = None):
         from pyfast.chat import ChatTemplate
         from pyfast.hub import resolve_model
         from pyfast.tokenizer import Tokenizer
 
+        cvec = _control_vector(control_vectors, control_vector_layer_range)  # bad files fail before loading
         path = resolve_model(None if model is None else str(model), quiet=not verbose)
         self.model_path = str(path)
         self.model = Model(path)
+        if cvec is not None:
+            self.model.set_control_vector(cvec, *(control_vector_layer_range or (None, None)))
         self.tokenizer = Tokenizer.from_gguf_metadata(self.model.metadata)
         self.chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
         props = None

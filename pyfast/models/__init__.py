@@ -60,6 +60,8 @@ class Model:
         self.weights = Weights(self.reader, in_memory=not self.mmap)
         self.args = mod.Args.from_gguf(self.metadata, self.weights)
         self.weights.check(mod.tensors(self.args), self.path)
+        self.control: dict = {}  # 0-based layer -> control vector added to its output (set_control_vector)
+        self._built = False      # a graph was built (plans hold the control vectors they were built with)
         for name, info in self.weights.info.items():
             if len(info.shape) == 2 and info.type_name not in _MATMUL_DTYPES:
                 raise ValueError(f"{self.path}: tensor '{name}' has type {info.type_name}, "
@@ -79,11 +81,21 @@ class Model:
         export_hidden)."""
         if export_hidden and not self.supports_hidden:
             raise ValueError(f"{self.path}: architecture {self.arch.ARCH!r} cannot export hidden rows")
-        b = GraphBuilder(self.weights, shape, kv, rec=rec, export_hidden=export_hidden)
+        b = GraphBuilder(self.weights, shape, kv, rec=rec, export_hidden=export_hidden, control=self.control)
+        self._built = True
         logits = self.arch.build(b, self.args)
         b.g.output(logits, "logits")
         b.g.output(b.g.argmax(logits), "argmax")  # greedy decoding reads this instead of the rows
         return b
+
+    def set_control_vector(self, cv, start: int | None = None, end: int | None = None) -> None:
+        """Add ``cv`` (a ``pyfast.control_vector.ControlVector``; None removes it) to the outputs of
+        layers start .. end (llama.cpp's --control-vector-layer-range; default 1 .. n_layer). Call
+        it before any graph is built: contexts keep the plans they built."""
+        if self._built:
+            raise ValueError("set_control_vector: graphs of this model were already built and keep their "
+                             "control vectors; set it before the first decode (or load the model again)")
+        self.control = {} if cv is None else cv.layers(self.args.n_layer, self.args.n_embd, start, end)
 
     @property
     def supports_hidden(self) -> bool:

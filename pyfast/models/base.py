@@ -249,8 +249,10 @@ def _elem_stride(dt) -> int:
 class GraphBuilder:
     """Wraps a native Graph with the inputs of one batch shape and layer helpers."""
 
-    def __init__(self, weights: Weights, shape: BatchShape, kv=None, rec=None, export_hidden: bool = False):
+    def __init__(self, weights: Weights, shape: BatchShape, kv=None, rec=None, export_hidden: bool = False,
+                 control: dict[int, np.ndarray] | None = None):
         self.g = native.Graph()
+        self.control_vectors = control or {}  # 0-based layer -> vector added to its output
         self.w = weights
         self.shape = shape
         self.kv = kv
@@ -377,6 +379,14 @@ class GraphBuilder:
         down = g.matmul_id(g.swiglu(gate, up), self.weight(f"{prefix}.ffn_down_exps.weight"), ids)  # [T, k, d]
         down = g.mul(down, g.reshape(w, [T, n_expert_used, 1]))
         return g.sum(down, 1)                                                # [T, d]
+
+    def control(self, x, il: int):
+        """x (the output of layer il, [T, n_embd]) plus that layer's control vector, if one is set
+        (pyfast/control_vector.py); x itself otherwise."""
+        v = self.control_vectors.get(il)
+        if v is None:
+            return x
+        return self.g.add(x, self.g.external(f"control.{il}", DType.F32, [v.size], v))
 
     def select_outputs(self, x):
         """Keep only the rows whose logits are wanted: [T, d] -> [n_out, d]."""

@@ -100,7 +100,7 @@ def build(b: GraphBuilder, args: Args):
         if i == args.n_layer - 1:
             x = b.select_outputs(x)                                    # [n_out, n_embd]
         h = b.norm(x, f"{p}.ffn_norm.weight", args.eps)
-        x = g.add(x, b.ffn_swiglu(h, p))
+        x = b.control(g.add(x, b.ffn_swiglu(h, p)), i)
     x = b.norm(x, "output_norm.weight", args.eps)
     out_w = "token_embd.weight" if args.tied else "output.weight"
     return b.linear(x, out_w)                                          # [n_out, n_vocab]

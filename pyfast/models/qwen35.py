@@ -344,7 +344,7 @@ def build(b: GraphBuilder, args: Args):
         if i == args.n_layer - 1 and not b.export_hidden:
             x = b.select_outputs(x)                                        # [n_out, d]
         h = norm(b, x, f"{p}.post_attention_norm.weight", args.eps)
-        x = g.add(x, ffn(b, args, p, h))
+        x = b.control(g.add(x, ffn(b, args, p, h)), i)
     x = norm(b, x, "output_norm.weight", args.eps)
     if b.export_hidden:
         g.output(x, "hidden")                                              # [T, d]

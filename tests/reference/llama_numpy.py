@@ -12,6 +12,7 @@ It reads a GGUF with the ``gguf`` PyPI package (not pyfast's reader), dequantize
         x += attn @ Wo.T
         h = rmsnorm(x) * ffn_norm
         x += (silu(h @ Wg.T) * (h @ Wu.T)) @ Wd.T
+        x += layer_add[il]                             (only for the layers in ``layer_add``)
     logits = (rmsnorm(x) * output_norm) @ Wout.T     (Wout = token_embd when tied)
 
 rmsnorm(x) = x / sqrt(mean(x^2) + eps). Shapes are outermost-first; gguf-py reports tensor
@@ -123,6 +124,8 @@ class LlamaRef:
             raise ValueError(f"{self.path}: n_head={self.n_head} not divisible by "
                              f"n_head_kv={self.n_head_kv}")
         self._cache: dict[str, np.ndarray] | None = {} if cache_weights else None
+        # vectors added to the output of a layer (0-based index -> [n_embd]): control vectors
+        self.layer_add: dict[int, np.ndarray] = {}
 
     # -- file access --------------------------------------------------------------------------
 
@@ -225,6 +228,8 @@ class LlamaRef:
             g = self._mm(h, b + "ffn_gate.weight")
             u = self._mm(h, b + "ffn_up.weight")
             x = x + self._mm(g / (1.0 + np.exp(-g)) * u, b + "ffn_down.weight")
+            if il in self.layer_add:
+                x = x + np.asarray(self.layer_add[il], dtype=np.float64)
 
         h = rms_norm(x, self.eps) * self.weight("output_norm.weight")
         w_out = self.weight("token_embd.weight" if self.tied else "output.weight")
