@@ -264,3 +264,30 @@ def test_setting_a_vector_after_the_first_decode_is_refused(tiny):
     Context(model, n_ctx=64, n_threads=1).decode([1, 2, 3])
     with pytest.raises(ValueError, match="before the first decode"):
         model.set_control_vector(ControlVector.load(cvp))
+
+
+def test_hybrid_model_speculation_stays_lossless_with_a_control_vector(tmp_path):
+    """Qwen3.5 (Gated DeltaNet + attention, MTP head): the vector changes greedy output, and
+    speculation with rollback of the recurrent state still reproduces it token for token."""
+    from pathlib import Path
+
+    from pyfast.llm import LLM
+    from pyfast.spec import SpecConfig
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "hybrid" / "qwen35kv2.gguf"
+    m = Model(path)
+    cv = ControlVector(m.args.n_embd, {i: vec(40 + i, m.args.n_embd, 3.0) for i in range(1, m.args.n_layer)})
+    cvp = tmp_path / "cv.gguf"
+    cv.save(cvp)
+    rep = [5, 9, 14, 3, 27]
+    prompt = rep * 3 + rep[:2]
+    kw = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    steered = LLM(path, n_ctx=256, n_threads=2, control_vectors=[cvp]).generate(prompt, **kw).tokens
+    plain = LLM(path, n_ctx=256, n_threads=2).generate(prompt, **kw).tokens
+    assert steered != plain
+    for types in ("ngram-simple", "draft-mtp,ngram-simple"):
+        llm = LLM(path, n_ctx=256, n_threads=2, control_vectors=[cvp],
+                  speculative=SpecConfig(types=types, draft_max=3, ngram_n=1))
+        res = llm.generate(prompt, **kw)
+        assert res.tokens == steered, types
+        assert res.spec.drafted > 0
