@@ -95,6 +95,7 @@ class KVCache:
         # buffer is shared
         self._one_mask = self._order = self._run_mask = self._run_idx = None
         self._head_off = np.arange(n_head_kv, dtype=np.int32) * np.int32(n_ctx)  # row of cell 0, per head
+        self._one_rows = np.empty(n_head_kv, dtype=np.int32)  # prepare_one's rows (reused)
 
     # --- bookkeeping -----------------------------------------------------------------------
     @property
@@ -245,7 +246,7 @@ class KVCache:
                           order=self._order[:n_kv], n_kv=n_kv, rows=self.head_rows(idx))
 
     def prepare_one(self, seq: int, pos: int) -> BatchSlots:
-        """prepare() for one token, done natively: the result's mask and order are views into
+        """prepare() for one token, done natively: the result's mask, order and rows are views into
         buffers reused by the next call, so use them before preparing another batch."""
         if self._one_mask is None:
             self._one_mask = np.empty(self.n_ctx, dtype=np.float32)
@@ -257,4 +258,5 @@ class KVCache:
             raise KVCacheFull(f"KV cache is full: {self.n_ctx} cells, {self.n_used} used, 1 more needed")
         self._used_top = max(self._used_top, cell + 1)
         return BatchSlots(idx=np.array([cell], dtype=np.int32), mask=self._one_mask[:n_kv].reshape(1, n_kv),
-                          order=self._order[:n_kv], n_kv=n_kv, rows=self._head_off + np.int32(cell))
+                          order=self._order[:n_kv], n_kv=n_kv,
+                          rows=np.add(self._head_off, np.int32(cell), out=self._one_rows))

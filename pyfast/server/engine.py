@@ -72,6 +72,7 @@ class EngineConfig:
     cache_type_v: str | None = None
     control_vectors: list | None = None  # [(GGUF path, strength)] (llama-server's --control-vector[-scaled])
     control_vector_layer_range: tuple[int, int] | None = None  # first and last layer, inclusive
+    _control: "ControlVector | None" = field(default=None, init=False, repr=False, compare=False)  # read by validate()
 
     def validate(self) -> "EngineConfig":
         if self.n_parallel < 1:
@@ -95,10 +96,11 @@ class EngineConfig:
         cache_dtype(self.cache_type_k, "--cache-type-k")  # an unknown name fails before the model loads
         if self.cache_type_v is not None:
             cache_dtype(self.cache_type_v, "--cache-type-v")
+        self._control = None
         if self.control_vectors:  # a bad file fails before the model loads
             from pyfast.control_vector import ControlVector
 
-            ControlVector.combine(list(self.control_vectors))
+            self._control = ControlVector.combine(list(self.control_vectors))
         elif self.control_vector_layer_range is not None:
             raise ValueError("--control-vector-layer-range needs --control-vector or --control-vector-scaled")
         self.spec.validate()
@@ -233,11 +235,8 @@ class Engine:
         self.cfg = cfg.validate()
         self.model_path = str(resolve_model(cfg.model, quiet=True))
         self.model = Model(self.model_path)
-        if cfg.control_vectors:
-            from pyfast.control_vector import ControlVector
-
-            self.model.set_control_vector(ControlVector.combine(list(cfg.control_vectors)),
-                                          *(cfg.control_vector_layer_range or (None, None)))
+        if cfg._control is not None:  # validate() read the files
+            self.model.set_control_vector(cfg._control, *(cfg.control_vector_layer_range or (None, None)))
         self.tokenizer = Tokenizer.from_gguf_metadata(self.model.metadata)
         self.chat_template = None
         self.template_error = ""
