@@ -184,6 +184,27 @@ def _as_list(md: Mapping, key: str, required: bool = True) -> list | None:
     return list(v)
 
 
+def _check_utf8(tokens: list) -> None:
+    """Token texts must be valid UTF-8 (the reader keeps invalid bytes as lone surrogates)."""
+    try:
+        "".join(tokens).encode("utf-8")
+    except UnicodeEncodeError:
+        for i, t in enumerate(tokens):
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                try:
+                    raw = t.encode("utf-8", "surrogateescape")  # the file's bytes
+                except UnicodeEncodeError:
+                    raw = t
+                raise ValueError(f"GGUF metadata 'tokenizer.ggml.tokens'[{i}] = {raw!r}: expected valid UTF-8 "
+                                 f"text (invalid byte at offset {e.start})") from None
+    except TypeError:
+        for i, t in enumerate(tokens):
+            if not isinstance(t, str):
+                raise ValueError(f"GGUF metadata 'tokenizer.ggml.tokens'[{i}] = {t!r}: expected a string") from None
+
+
 def _as_str(v: Any) -> str:
     if isinstance(v, bytes):
         return v.decode("utf-8", errors="replace")
@@ -243,6 +264,7 @@ class Tokenizer:
         n = len(tokens)
         if n == 0:
             raise ValueError("GGUF metadata 'tokenizer.ggml.tokens' is empty")
+        _check_utf8(tokens)
         for i, t in enumerate(tokens):
             if not t:  # as llama.cpp: an empty token can never match; give it a unique name
                 tokens[i] = f"[EMPTY_{i}]"

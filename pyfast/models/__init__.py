@@ -52,20 +52,23 @@ class Model:
             self.reader.prefetch()  # page the weights in while the rest of start-up runs
         self.metadata = self.reader.metadata
         arch = self.metadata.get("general.architecture")
-        mod = ARCHITECTURES.get(arch)
+        mod = ARCHITECTURES.get(arch) if isinstance(arch, str) else None
         if mod is None:
             raise ValueError(f"{self.path}: unsupported architecture {arch!r} "
                              f"(supported: {', '.join(sorted(ARCHITECTURES))})")
         self.arch = mod
-        self.weights = Weights(self.reader, in_memory=not self.mmap)
-        self.args = mod.Args.from_gguf(self.metadata, self.weights)
-        self.weights.check(mod.tensors(self.args), self.path)
+        # metadata and tensor table are checked against each other before anything is allocated
+        # (an absurd block_count must fail here, not size a list or read the file)
+        index = Weights(self.reader, in_memory=False)  # shapes only, no data read
+        self.args = mod.Args.from_gguf(self.metadata, index, path=self.path, types=self.reader.metadata_types)
+        index.check(mod.tensors(self.args), self.path)
         self.control: dict = {}  # 0-based layer -> control vector added to its output (set_control_vector)
         self._built = False      # a graph was built (plans hold the control vectors they were built with)
-        for name, info in self.weights.info.items():
+        for name, info in index.info.items():
             if len(info.shape) == 2 and info.type_name not in _MATMUL_DTYPES:
                 raise ValueError(f"{self.path}: tensor '{name}' has type {info.type_name}, "
                                  f"which this version of pyfast cannot compute with")
+        self.weights = Weights(self.reader, in_memory=not self.mmap)
 
     @property
     def n_vocab(self) -> int:

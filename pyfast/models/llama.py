@@ -26,35 +26,56 @@ class Args:
     tied: bool
 
     @classmethod
-    def from_gguf(cls, md: dict, weights) -> "Args":
+    def from_gguf(cls, md: dict, weights, path: str = "", types: dict | None = None) -> "Args":
+        """Read and check the hyper-parameters against each other and the tensors (before
+        anything is allocated); a bad value is a ValueError naming the key."""
+        from pyfast.models import meta as M
+
         a = ARCH
-
-        def need(key):
-            if f"{a}.{key}" not in md:
-                raise ValueError(f"GGUF metadata lacks '{a}.{key}'")
-            return md[f"{a}.{key}"]
-
-        n_embd = int(need("embedding_length"))
-        n_head = int(need("attention.head_count"))
-        head_dim = int(md.get(f"{a}.attention.key_length", n_embd // n_head))
-        n_vocab = weights.shape("token_embd.weight")[0]
-        scaling = md.get(f"{a}.rope.scaling.type", "none")
+        m = M.Meta(md, path, types)
+        n_embd = m.int(f"{a}.embedding_length", lo=1, hi=M.MAX_EMBD)
+        n_layer = m.int(f"{a}.block_count", lo=1, hi=M.MAX_LAYERS)
+        M.check_blocks(path, f"{a}.block_count", n_layer, weights)
+        n_head = m.int(f"{a}.attention.head_count", lo=1, hi=M.MAX_HEADS)
+        n_head_kv = m.int(f"{a}.attention.head_count_kv", n_head, lo=1, hi=n_head)
+        if n_head % n_head_kv:
+            raise m.fail(f"{a}.attention.head_count_kv", n_head_kv,
+                          f"a divisor of attention.head_count ({n_head})")
+        if m.has(f"{a}.attention.key_length"):
+            head_dim = m.int(f"{a}.attention.key_length", lo=2, hi=M.MAX_HEAD_DIM)
+        else:
+            if n_embd % n_head:
+                raise m.fail(f"{a}.attention.head_count", n_head,
+                              f"a divisor of embedding_length ({n_embd}) when attention.key_length is absent")
+            head_dim = n_embd // n_head
+        if head_dim % 2:
+            raise ValueError(f"{path}: head dimension {head_dim} (embedding_length / head_count or "
+                             f"attention.key_length) must be even for rotary embeddings")
+        vl = m.int(f"{a}.attention.value_length", head_dim, lo=1, hi=M.MAX_HEAD_DIM)
+        if vl != head_dim:
+            raise m.fail(f"{a}.attention.value_length", vl, f"{head_dim}, the key length")
+        n_rot = m.int(f"{a}.rope.dimension_count", head_dim, lo=2, hi=head_dim)
+        if n_rot % 2:
+            raise m.fail(f"{a}.rope.dimension_count", n_rot, "an even number")
+        scaling = m.str(f"{a}.rope.scaling.type", "none")
         rope_scale = 1.0
         if scaling == "linear":
-            rope_scale = 1.0 / float(md.get(f"{a}.rope.scaling.factor", 1.0))
+            rope_scale = 1.0 / m.float(f"{a}.rope.scaling.factor", 1.0, positive=True)
+        n_vocab = M.embedding_rows(path, weights, n_embd)
+        M.check_vocab(path, md, n_vocab, a)
         return cls(
             n_vocab=n_vocab,
             n_embd=n_embd,
-            n_layer=int(need("block_count")),
+            n_layer=n_layer,
             n_head=n_head,
-            n_head_kv=int(md.get(f"{a}.attention.head_count_kv", n_head)),
+            n_head_kv=n_head_kv,
             head_dim=head_dim,
-            n_ff=int(need("feed_forward_length")),
-            n_rot=int(md.get(f"{a}.rope.dimension_count", head_dim)),
-            rope_base=float(md.get(f"{a}.rope.freq_base", 10000.0)),
+            n_ff=m.int(f"{a}.feed_forward_length", lo=1, hi=M.MAX_FF),
+            n_rot=n_rot,
+            rope_base=m.float(f"{a}.rope.freq_base", 10000.0, positive=True),
             rope_scale=rope_scale,
-            eps=float(md.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            n_ctx_train=int(md.get(f"{a}.context_length", 2048)),
+            eps=m.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5, positive=True),
+            n_ctx_train=m.int(f"{a}.context_length", 2048, lo=1, hi=M.MAX_CTX),
             tied="output.weight" not in weights,
         )
 

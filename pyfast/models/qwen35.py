@@ -89,77 +89,89 @@ class Args:
 
     @classmethod
     def from_gguf(cls, md: dict, weights, arch: str = ARCH, moe: bool = False,
-                  broadcast: int = GDN_BROADCAST) -> "Args":
+                  broadcast: int = GDN_BROADCAST, path: str = "", types: dict | None = None) -> "Args":
+        """Read and check the hyper-parameters against each other and the tensors (before
+        anything is allocated); a bad value is a ValueError naming the key."""
+        from pyfast.models import meta as M
+
+        m = M.Meta(md, path, types)
+
         def key(k):
             return f"{arch}.{k}"
 
-        def need(k):
-            if key(k) not in md:
-                raise ValueError(f"GGUF metadata lacks '{key(k)}'")
-            return md[key(k)]
-
-        n_embd = int(need("embedding_length"))
-        n_head = int(need("attention.head_count"))
-        head_dim = int(md.get(key("attention.key_length"), n_embd // n_head))
-        if int(md.get(key("attention.value_length"), head_dim)) != head_dim:
-            raise ValueError(f"{arch}: attention.value_length must equal attention.key_length ({head_dim})")
-        n_all = int(need("block_count"))
-        n_nextn = int(md.get(key("nextn_predict_layers"), 0))
+        n_embd = m.int(key("embedding_length"), lo=1, hi=M.MAX_EMBD)
+        n_head = m.int(key("attention.head_count"), lo=1, hi=M.MAX_HEADS)
+        if m.has(key("attention.key_length")):
+            head_dim = m.int(key("attention.key_length"), lo=2, hi=M.MAX_HEAD_DIM)
+        else:
+            if n_embd % n_head:
+                raise m.fail(key("attention.head_count"), n_head,
+                             f"a divisor of embedding_length ({n_embd}) when attention.key_length is absent")
+            head_dim = n_embd // n_head
+        vl = m.int(key("attention.value_length"), head_dim, lo=1, hi=M.MAX_HEAD_DIM)
+        if vl != head_dim:
+            raise m.fail(key("attention.value_length"), vl, f"{head_dim}, the key length")
+        n_head_kv = m.int(key("attention.head_count_kv"), n_head, lo=1, hi=n_head)
+        if n_head % n_head_kv:
+            raise m.fail(key("attention.head_count_kv"), n_head_kv, f"a divisor of attention.head_count ({n_head})")
+        n_all = m.int(key("block_count"), lo=1, hi=M.MAX_LAYERS)
+        n_nextn = m.int(key("nextn_predict_layers"), 0, lo=0, hi=n_all - 1)
         n_layer = n_all - n_nextn
-        if n_layer < 1:
-            raise ValueError(f"{arch}: block_count {n_all} leaves no trunk layers after {n_nextn} nextn layers")
-        rl = md.get(key("attention.recurrent_layers"))
-        if rl is not None:
-            rl = [bool(v) for v in rl]
+        # the trunk's layers must all be there; MTP blocks past them may be left out
+        M.check_blocks(path, key("block_count"), n_all, weights, lo=n_layer)
+        if m.has(key("attention.recurrent_layers")):
+            rl = m.bool_list(key("attention.recurrent_layers"))
             if len(rl) < n_layer:
-                raise ValueError(f"{arch}: attention.recurrent_layers has {len(rl)} entries for {n_layer} layers")
+                raise m.fail(key("attention.recurrent_layers"), rl, f"at least {n_layer} entries (one per layer)")
             recurrent = tuple(rl[:n_layer])
         else:
-            interval = int(md.get(key("full_attention_interval"), 4))
-            if interval < 1:
-                raise ValueError(f"{arch}: full_attention_interval must be >= 1, got {interval}")
+            interval = m.int(key("full_attention_interval"), 4, lo=1, hi=M.MAX_LAYERS)
             recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
-        n_v = int(need("ssm.time_step_rank"))
-        n_k = int(need("ssm.group_count"))
-        S = int(need("ssm.state_size"))
-        d_inner = int(need("ssm.inner_size"))
-        if n_k < 1 or n_v % n_k:
-            raise ValueError(f"{arch}: ssm.time_step_rank ({n_v}) must be a multiple of ssm.group_count ({n_k})")
+        n_v = m.int(key("ssm.time_step_rank"), lo=1, hi=M.MAX_HEADS)
+        n_k = m.int(key("ssm.group_count"), lo=1, hi=M.MAX_HEADS)
+        S = m.int(key("ssm.state_size"), lo=1, hi=M.MAX_HEAD_DIM)
+        d_inner = m.int(key("ssm.inner_size"), lo=1, hi=M.MAX_FF)
+        if n_v % n_k:
+            raise m.fail(key("ssm.time_step_rank"), n_v, f"a multiple of ssm.group_count ({n_k})")
         if d_inner != n_v * S:
-            raise ValueError(f"{arch}: ssm.inner_size ({d_inner}) must equal time_step_rank * state_size ({n_v * S})")
-        scaling = md.get(key("rope.scaling.type"), "none")
-        rope_scale = 1.0 / float(md.get(key("rope.scaling.factor"), 1.0)) if scaling == "linear" else 1.0
+            raise m.fail(key("ssm.inner_size"), d_inner, f"time_step_rank * state_size = {n_v * S}")
+        scaling = m.str(key("rope.scaling.type"), "none")
+        rope_scale = 1.0 / m.float(key("rope.scaling.factor"), 1.0, positive=True) if scaling == "linear" else 1.0
+        n_rot = m.int(key("rope.dimension_count"), head_dim, lo=2, hi=head_dim)
+        if n_rot % 2:
+            raise m.fail(key("rope.dimension_count"), n_rot, "an even number")
         first_r = next((i for i, r in enumerate(recurrent) if r), None)
         kw = {}
         if moe:
-            n_expert = int(need("expert_count"))
-            n_used = int(need("expert_used_count"))
-            if not 1 <= n_used <= n_expert:
-                raise ValueError(f"{arch}: expert_used_count ({n_used}) must be in [1, expert_count={n_expert}]")
+            n_expert = m.int(key("expert_count"), lo=1, hi=M.MAX_EXPERTS)
+            n_used = m.int(key("expert_used_count"), lo=1, hi=n_expert)
             kw = dict(
                 n_expert=n_expert, n_expert_used=n_used,
-                n_ff_exp=int(need("expert_feed_forward_length")),
-                n_ff_shexp=int(md.get(key("expert_shared_feed_forward_length"), 0)),
-                norm_topk=bool(md.get(key("expert_weights_norm"), True)),
-                weights_scale=float(md.get(key("expert_weights_scale"), 1.0) or 1.0),
+                n_ff_exp=m.int(key("expert_feed_forward_length"), lo=1, hi=M.MAX_FF),
+                n_ff_shexp=m.int(key("expert_shared_feed_forward_length"), 0, lo=0, hi=M.MAX_FF),
+                norm_topk=m.bool(key("expert_weights_norm"), True),
+                weights_scale=m.float(key("expert_weights_scale"), 1.0) or 1.0,
                 merged_gate_up="blk.0.ffn_gate_up_exps.weight" in weights,
                 shexp_gate_2d=("blk.0.ffn_gate_inp_shexp.weight" in weights
                                and weights.shape("blk.0.ffn_gate_inp_shexp.weight") == (1, n_embd)),
             )
         else:
-            kw = dict(n_ff=int(need("feed_forward_length")))
+            kw = dict(n_ff=m.int(key("feed_forward_length"), lo=1, hi=M.MAX_FF))
+        n_vocab = M.embedding_rows(path, weights, n_embd)
+        M.check_vocab(path, md, n_vocab, arch)
+        sections = m.int_list(key("rope.dimension_sections"), [], lo=0, hi=M.MAX_HEAD_DIM, max_len=16)
         return cls(
             arch=arch,
-            n_vocab=weights.shape("token_embd.weight")[0] if "token_embd.weight" in weights else 0,
+            n_vocab=n_vocab,
             n_embd=n_embd, n_layer=n_layer, n_nextn=n_nextn,
-            n_head=n_head, n_head_kv=int(md.get(key("attention.head_count_kv"), n_head)), head_dim=head_dim,
-            n_rot=int(md.get(key("rope.dimension_count"), head_dim)),
-            rope_base=float(md.get(key("rope.freq_base"), 10000.0)), rope_scale=rope_scale,
-            rope_sections=tuple(int(s) for s in (md.get(key("rope.dimension_sections")) or ())),
-            eps=float(md.get(key("attention.layer_norm_rms_epsilon"), 1e-6)),
-            n_ctx_train=int(md.get(key("context_length"), 4096)),
+            n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+            n_rot=n_rot,
+            rope_base=m.float(key("rope.freq_base"), 10000.0, positive=True), rope_scale=rope_scale,
+            rope_sections=tuple(sections),
+            eps=m.float(key("attention.layer_norm_rms_epsilon"), 1e-6, positive=True),
+            n_ctx_train=m.int(key("context_length"), 4096, lo=1, hi=M.MAX_CTX),
             tied="output.weight" not in weights,
-            recurrent=recurrent, conv_kernel=int(need("ssm.conv_kernel")),
+            recurrent=recurrent, conv_kernel=m.int(key("ssm.conv_kernel"), lo=1, hi=64),
             n_k_heads=n_k, n_v_heads=n_v, state_size=S, gdn_broadcast=broadcast,
             fused_ba=first_r is not None and f"blk.{first_r}.ssm_ba.weight" in weights,
             **kw,

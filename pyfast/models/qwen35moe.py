@@ -13,8 +13,8 @@ EXPORTS_HIDDEN = True  # build() outputs "hidden" when the builder asks (MTP dra
 @dataclass
 class Args(qwen35.Args):
     @classmethod
-    def from_gguf(cls, md: dict, weights) -> "Args":
-        return super().from_gguf(md, weights, arch=ARCH, moe=True, broadcast=0)
+    def from_gguf(cls, md: dict, weights, path: str = "", types: dict | None = None) -> "Args":
+        return super().from_gguf(md, weights, arch=ARCH, moe=True, broadcast=0, path=path, types=types)
 
 
 # Memory, tensors and graph are Qwen3.5's; only the GGUF layout read by Args differs.
