@@ -17,10 +17,8 @@ non-ASCII characters and does not HTML-escape), so templates written for HF rend
 """
 from __future__ import annotations
 
-import json
-import operator
-from datetime import datetime
-from typing import Any, Iterable, Mapping, Sequence
+import io
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 __all__ = ["ChatTemplate", "CHATML_TEMPLATE"]
 
@@ -34,107 +32,6 @@ CHATML_TEMPLATE = (
 )
 
 _MAX_OUTPUT_CHARS = 16 * 1024 * 1024  # rendered prompt
-_MAX_VALUE_LEN = 4 * 1024 * 1024  # any str / list built by a template
-_MAX_POW_BITS = 4096  # size of a ** b results
-
-
-class _TemplateRaise(Exception):
-    """raise_exception() called by a template."""
-
-
-def _make_env():
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.runtime import Namespace
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
-    def _check_size(v):
-        if isinstance(v, (str, list, tuple, dict)) and len(v) > _MAX_VALUE_LEN:
-            raise SecurityError(f"value too large ({len(v)} items) in template")
-        return v
-
-    class _GenerationTag(Extension):
-        """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask markers): render the
-        body unchanged."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    class _Env(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**", "+"])
-
-        def unsafe_undefined(self, obj, attribute):
-            # the stock sandbox returns an Undefined that prints as '' - fail loudly instead
-            raise SecurityError(
-                f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-        def call_binop(self, context, op, left, right):
-            if op == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
-                        if len(seq) * max(n, 0) > _MAX_VALUE_LEN:
-                            raise SecurityError("sequence repetition result too large")
-                return operator.mul(left, right)
-            if op == "**":
-                if isinstance(left, int) and isinstance(right, int) and right > 0:
-                    if abs(left) > 1 and right * max(abs(left).bit_length(), 1) > _MAX_POW_BITS:
-                        raise SecurityError("power result too large")
-                return operator.pow(left, right)
-            if op == "+":
-                return _check_size(operator.add(left, right))
-            return super().call_binop(context, op, left, right)
-
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's convention
-            # values passed between macros / produced by calls stay bounded, so a template
-            # cannot grow a string exponentially through recursion
-            for a in args:
-                _check_size(a)
-            for a in kwargs.values():
-                _check_size(a)
-            return _check_size(super().call(__context, __obj, *args, **kwargs))
-
-    class _BoundedNamespace(Namespace):
-        """``namespace()`` whose attributes stay bounded in size (a loop could otherwise
-        double a string held in a namespace on every iteration)."""
-
-        def __setitem__(self, name, value):
-            super().__setitem__(name, _check_size(value))
-
-    env = _Env(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[loopcontrols, _GenerationTag],
-        loader=None,
-        autoescape=False,
-        undefined=jinja2.Undefined,
-    )
-
-    def raise_exception(message: Any = "") -> None:
-        raise _TemplateRaise(str(message))
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(str(fmt))
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        def default(o: Any) -> Any:
-            if isinstance(o, jinja2.Undefined):
-                return None
-            raise TypeError(f"object of type {type(o).__name__} is not JSON serializable")
-
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=tuple(separators) if separators else None,
-                          sort_keys=sort_keys, default=default)
-
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["namespace"] = _BoundedNamespace
-    return env
-
 
 _ENV = None
 
@@ -142,13 +39,41 @@ _ENV = None
 def _env():
     global _ENV
     if _ENV is None:
-        _ENV = _make_env()
+        from pyfast.chat_sandbox import make_env
+
+        _ENV = make_env()
     return _ENV
 
 
 def _error(e: BaseException) -> ValueError:
-    msg = str(e) or type(e).__name__
+    msg = " ".join((str(e) or type(e).__name__).split())  # one line
+    if len(msg) > 300:
+        msg = msg[:297] + "..."
     return ValueError(f"chat template error: {msg}")
+
+
+#: Inserted into special-token texts found in message content so the template's output does not
+#: contain them verbatim (a Unicode noncharacter: never meaningful in text).
+NO_SPECIAL = "\ufdd0"
+
+
+def _protect(msgs: list[dict], specials: Iterable[str]) -> list[dict]:
+    """Messages whose content has NO_SPECIAL after the first character of every special-token
+    text (and no NO_SPECIAL of its own)."""
+    import re
+
+    texts = sorted({t for t in specials if t and len(t) > 1}, key=len, reverse=True)
+    if not texts:
+        return msgs
+    pat = re.compile("|".join(re.escape(t) for t in texts))
+    out = []
+    for m in msgs:
+        c = m.get("content")
+        if isinstance(c, str) and (NO_SPECIAL in c or pat.search(c)):
+            c = pat.sub(lambda x: x.group(0)[0] + NO_SPECIAL + x.group(0)[1:], c.replace(NO_SPECIAL, ""))
+            m = dict(m, content=c)
+        out.append(m)
+    return out
 
 
 def _validate_messages(messages: Any) -> list[dict]:
@@ -185,7 +110,11 @@ class ChatTemplate:
     ...")``; bad messages raise ``ValueError`` naming the message.
     """
 
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "",
+                 time_limit: float | None = None) -> None:
+        from pyfast.chat_sandbox import DEFAULT_TIME_LIMIT
+
+        self.time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
         self.is_fallback = source is None or not str(source).strip()
         self.source = CHATML_TEMPLATE if self.is_fallback else str(source)
         self.bos_token = bos_token or ""
@@ -213,10 +142,25 @@ class ChatTemplate:
                    eos_token=_token_text(md, tokenizer, "eos"))
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None, *, time_limit: float | None = None,
+               should_stop: Callable[[], bool] | None = None, protect: Iterable[str] | None = None,
+               **kwargs: Any) -> str:
         """Prompt text for ``messages``; extra keyword arguments become template variables
-        (e.g. ``enable_thinking=False``)."""
+        (e.g. ``enable_thinking=False``).
+
+        time_limit: seconds this render may take (default ``self.time_limit``, 1 s).
+        should_stop: polled while rendering; when it returns True the render stops with an error
+        (the request it was for is gone).
+        protect: special-token texts (e.g. ``tokenizer.control_texts``) that must stay text when
+        they occur in message content: each occurrence gets ``NO_SPECIAL`` inserted, which
+        :meth:`pyfast.tokenizer.Tokenizer.encode_rendered` removes after matching the template's
+        own special tokens.
+        """
+        from pyfast import chat_sandbox as sb
+
         msgs = _validate_messages(messages)
+        if protect:
+            msgs = _protect(msgs, protect)
         if tools is not None:
             if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
                 raise ValueError("tools must be a list of dicts")
@@ -227,17 +171,28 @@ class ChatTemplate:
         ctx = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         ctx.update(kwargs)
         ctx.update(messages=msgs, tools=tools, add_generation_prompt=bool(add_generation_prompt))
+        # values may be built up to a few times the caller's own input, and at least MAX_ALLOC
+        budget = sb.Budget(self.time_limit if time_limit is None else time_limit, should_stop,
+                           max(sb.MAX_ALLOC, 8 * sb.deep(ctx, 1 << 40)))
+        token = sb.use(budget)
         try:
-            parts = []
+            out = io.StringIO()
             size = 0
             for chunk in self._template.generate(**ctx):
                 size += len(chunk)
                 if size > _MAX_OUTPUT_CHARS:
-                    raise _TemplateRaise("rendered prompt is too large")
-                parts.append(chunk)
-            return "".join(parts)
+                    raise sb.TemplateBudgetError(f"the rendered prompt is too large (over {_MAX_OUTPUT_CHARS} "
+                                                 "characters)")
+                out.write(chunk)
+            return out.getvalue()
+        except RecursionError:
+            raise ValueError("chat template error: recursion too deep") from None
+        except MemoryError:
+            raise ValueError("chat template error: out of memory") from None
         except Exception as e:
-            raise _error(e) from e
+            raise _error(e) from None
+        finally:
+            sb.release(token)
 
     def __repr__(self) -> str:
         kind = "chatml-fallback" if self.is_fallback else f"{len(self.source)} chars"
