@@ -6,10 +6,10 @@ input, so templates run in jinja2's ``ImmutableSandboxedEnvironment`` with extra
 * any access to an unsafe attribute (``__class__``, ``__globals__``, ``func_code``...) raises at
   once instead of rendering as an empty string;
 * no loader, so ``{% include %}`` / ``{% import %}`` / ``{% extends %}`` cannot read files;
-* ``*``, ``**``, ``+``, calls (macros included) and ``namespace`` attributes are checked so a
-  template cannot build gigantic strings, lists or numbers, and the rendered text is capped in
-  size. There is no time limit: a template can still loop for long (``range`` is capped at
-  100,000 items per call by jinja's sandbox); callers that need one should render in a worker.
+* every render runs under a budget (``pyfast/chat_sandbox.py``): nothing is evaluated at compile
+  time, every string- or list-building operation is size-checked before it allocates, the bytes
+  built are counted, and a wall-clock limit (1 s by default) and ``should_stop`` (the request is
+  gone) are checked on every loop item, call and operator. The rendered text is capped in size.
 
 The environment otherwise matches what HF ``transformers`` gives templates (``trim_blocks``,
 ``lstrip_blocks``, loop controls, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps
