@@ -3,11 +3,16 @@ continuous-batching scheduler.
 
 * **One context, one sequence per slot.** The KV cache is unified: ``n_ctx`` cells shared by the
   slots, slot i being sequence id i, each limited to ``n_ctx // n_parallel`` positions.
-* **Every step is one batched decode** over all active slots: one token per generating slot
-  (plus its speculative draft, see ``spec.py``) and chunks of waiting prompts up to ``n_batch``
-  tokens in all. The decode runs in the scheduler thread with the GIL released, so the asyncio
-  event loop serving HTTP never waits on compute. Batch invariance makes each sequence's logits
-  bit-identical to decoding it alone, so served greedy output equals ``LLM.generate``.
+* **Every step is one batched decode** over all active slots: one round per generating slot
+  (its last token plus its speculative draft) and chunks of waiting prompts up to ``n_batch``
+  tokens in all. The rounds are ``pyfast.spec.decoder.SpecDecoder``'s, the code ``LLM.generate``
+  and ``generate_batch`` run (drafting, the verify batch, verification, rollback, recurrent save /
+  restore / replay, statistics; ``spec.py``); the scheduler adds the prompt chunks to the round's
+  decode and consumes the new tokens (stop strings, EOS, streaming, logprobs). The decode runs in
+  the scheduler thread with the GIL released, so the asyncio event loop serving HTTP never waits
+  on compute. Batch invariance makes each sequence's logits bit-identical to decoding it alone,
+  so served output equals ``LLM.generate``'s (greedy; sampled with the same seed, also with
+  speculation).
 * **Prompt cache.** A slot keeps the tokens its sequence holds in the KV cache after a request.
   A new request goes to the free slot that can reuse the longest prefix of its prompt (least
   recently used among ties); the slot's sequence is truncated to that prefix and only the rest is
@@ -22,7 +27,7 @@ continuous-batching scheduler.
   otherwise the newest checkpoint at or before the common prefix is restored (the KV cache is
   simply truncated to it) and the prompt is decoded from there; failing that, from scratch.
   Speculative drafts longer than the rollback limit save the state before the verify decode and
-  restore it and replay the accepted tokens after (as ``pyfast.spec.decoder`` does).
+  restore it and replay the accepted tokens after (in the shared round).
 * **Output** goes back to the event loop in one ``call_soon_threadsafe`` per step, as
   :class:`Event` objects on each request's ``asyncio.Queue``.
 """
@@ -41,7 +46,9 @@ import numpy as np
 from pyfast.memory.recurrent import RollbackError
 from pyfast.sampling import Sampler, SamplingParams
 from pyfast.server.metrics import ServerMetrics
-from pyfast.server.spec import SpecConfig, Speculator, build_proposers
+from pyfast.server.spec import SpecConfig, as_proposer, build_proposers
+from pyfast.spec.config import needs_hidden
+from pyfast.spec.decoder import SpecDecoder
 
 log = logging.getLogger("pyfast.server")
 
@@ -170,12 +177,10 @@ class Job:
         self.stats = JobStats(n_prompt=len(self.prompt))
         # scheduler state
         self.slot: "Slot | None" = None
-        self.sampler: Sampler | None = None
-        self.history: list[int] = []
+        self.seq = None            # its pyfast.spec.decoder.Slot: tokens, sampler, speculation statistics
         self.out: list[int] = []
         self.n_fed = 0             # prompt tokens in the slot's cache
         self.ckpt_at: list[int] = []  # hybrid: prompt positions to checkpoint at (ascending, > n_fed)
-        self.last: int | None = None  # last sampled token (not yet decoded)
         self.text = ""
         self.emitted = 0
         self.decoder = None
@@ -250,11 +255,9 @@ class Engine:
         n_ctx = self.n_ctx_slot * cfg.n_parallel
         if proposers is None:
             proposers = build_proposers(cfg.spec, self.model, n_ctx, cfg.n_threads)
-        self.spec: Speculator | None = None
-        if proposers:
-            self.spec = Speculator(proposers, self.n_vocab, cfg.spec.n_max, cfg.spec.n_min, cfg.spec.p_min)
-        self.spec_enabled = self.spec is not None
-        max_draft = self.spec.max_draft if self.spec is not None else 0
+        proposers = [as_proposer(p) for p in proposers]
+        round_cfg = cfg.spec.decoder_config()
+        max_draft = max((round_cfg.n_max_for(p) for p in proposers), default=0)
         # Hybrid models: one recurrent state slot per server slot (sequence ids are the slot
         # indices, nothing else), and one snapshot plane per draft token so that a rejected draft
         # rolls back without a copy (fewer planes with cfg.n_rollback: longer drafts then save,
@@ -266,16 +269,19 @@ class Engine:
         self.n_checkpoints = cfg.n_checkpoints if self.is_recurrent else 0
         # Continuous batching meets many batch shapes; keep more plans than single-sequence
         # decoding needs, but bounded (a prompt-sized plan holds tens of MB of activations).
-        export_hidden = self.spec is not None and self.spec.needs_hidden  # draft-mtp reads hidden rows
+        export_hidden = needs_hidden(proposers)  # draft-mtp reads the target's hidden rows
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=cfg.n_threads, max_plans=64,
                            n_ubatch=max(cfg.n_ubatch, n_rollback + 1), n_seq_max=cfg.n_parallel,
                            n_rollback=n_rollback, export_hidden=export_hidden,
                            kv_dtype=cfg.cache_type_k, kv_dtype_v=cfg.cache_type_v)
         self.ctx.max_plans += 2 * max_draft  # verify batches come in more sizes
-        if self.spec is not None:
-            self.spec.bind_target(self.ctx)
+        # every round goes through the decoder (a plain multi-sequence decoder without proposers)
+        self.decoder = SpecDecoder(self.ctx, proposers, round_cfg, safe_drafts=True)
+        self.spec = self.decoder if proposers else None
+        self.spec_enabled = self.spec is not None
         self.slots = [Slot(i) for i in range(cfg.n_parallel)]
-        self._to_end: list[int] = []  # slots whose request ended: proposers get end() after the step
+        self._to_end: list = []  # (slot id, decoder slot) of ended requests: released after the step
+        self._failed: list[Slot] = []  # slots whose sampling failed in this step: reset after it
         self.metrics = ServerMetrics()
         self.metrics.slots_total.set(cfg.n_parallel)
         self._ckpt_bytes = 0
@@ -352,27 +358,34 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
-        while True:
-            active: list[Slot] = []
-            try:
+        while not self._stopping:
+            if not self.step():
                 with self._cv:
-                    if self._stopping:
-                        return
-                    self._drop_cancelled()
-                    self._admit()
-                    active = [s for s in self.slots if s.job is not None]
-                    if not active:
-                        self._flush()
+                    if not self._stopping and not self._waiting:
                         self._cv.wait(0.5)
-                        continue
+
+    def step(self) -> bool:
+        """One scheduler iteration in the calling thread (the scheduler thread's loop; tests and
+        benchmarks may drive an engine that was not started): drop cancelled jobs, admit waiting
+        ones, run one batched step. Returns False when there was nothing to run."""
+        active: list[Slot] = []
+        try:
+            with self._cv:
+                if self._stopping:
+                    return False
+                self._drop_cancelled()
+                self._admit()
+                active = [s for s in self.slots if s.job is not None]
+            if active:
                 self._step(active)
-            except Exception as e:  # never let one bad batch stop the server
-                log.exception("scheduler step failed")
-                for s in active or self.slots:
-                    if s.job is not None:
-                        self._fail(s.job, f"internal error: {type(e).__name__}: {e}", 500)
-                    self._reset_slot(s)
-            self._flush()
+        except Exception as e:  # never let one bad batch stop the server
+            log.exception("scheduler step failed")
+            for s in active or self.slots:
+                if s.job is not None:
+                    self._fail(s.job, f"internal error: {type(e).__name__}: {e}", 500)
+                self._reset_slot(s)
+        self._flush()
+        return bool(active)
 
     def _drop_cancelled(self) -> None:
         if any(j.cancelled for j in self._waiting):
@@ -387,9 +400,9 @@ class Engine:
         self.metrics.queue_depth.set(len(self._waiting))
 
     def _end_sequences(self) -> None:
-        for sid in self._to_end:
-            if self.spec is not None:
-                self.spec.end(sid)
+        for sid, seq in self._to_end:
+            if seq is not None and self.decoder.slots.get(sid) is seq:
+                self.decoder.release(seq)  # the proposers' end(); the cache keeps the tokens
             s = self.slots[sid]
             if s.job is None:  # the reply's end: where the next turn of a conversation branches
                 self._checkpoint(s)
@@ -526,44 +539,37 @@ class Engine:
         st.n_cached = n_keep
         job.n_fed = n_keep
         job.ckpt_at = self._plan_checkpoints(job, n_keep)
-        job.history = list(job.prompt)
-        job.sampler = Sampler(job.params.sampling, self.n_vocab)
         job.decoder = StreamDecoder(self.tokenizer)
         self.metrics.prompt_tokens.inc(len(job.prompt))
         self.metrics.prompt_tokens_cached.inc(n_keep)
-        if self.spec is not None:
-            self.spec.begin(slot.id, job.prompt)
+        old = self.decoder.slots.get(slot.id)
+        if old is not None:  # the slot's previous job ended during this admission
+            self.decoder.release(old)
+        job.seq = self.decoder.add(slot.id, job.prompt, Sampler(job.params.sampling, self.n_vocab),
+                                   self.n_ctx_slot)  # the proposers' begin()
         if job.params.max_tokens == 0:
             st.t_prompt_done = st.t_start
             job.text += job.decoder.flush()
             self._finish(job, "length")
 
     def _step(self, active: list[Slot]) -> None:
-        toks: list[int] = []
-        pos: list[int] = []
-        seqs: list[int] = []
-        rows: list[int] = []
-        gen: list[tuple[Slot, list[int], int, list[int]]] = []   # slot, fed, first out row, draft
-        pre: list[tuple[Slot, int, bool, int]] = []              # slot, n tokens, last chunk, out row
-        gen_slots = [s for s in active if s.job.last is not None]
-        drafts = self._drafts(gen_slots) if self.spec is not None and gen_slots else {}
-        saved: dict[int, object] = {}  # slot -> state before a draft longer than the rollback limit
-        limit = self.ctx.rollback_limit
-        for s in gen_slots:
-            job = s.job
-            draft = drafts.get(s.id, [])
-            fed = [job.last] + draft
-            n0 = len(s.tokens)
-            if len(draft) > limit:  # recurrent state: the planes cannot remove that many tokens
-                saved[s.id] = self.ctx.save_state(s.id, kv=False)
-            gen.append((s, fed, len(rows), draft))
-            rows.extend(range(len(toks), len(toks) + len(fed)))
-            toks.extend(fed)
-            pos.extend(range(n0, n0 + len(fed)))
-            seqs.extend([s.id] * len(fed))
-        n_gen = len(toks)
+        """One batched decode: a round of the shared decoder for every generating slot (its rows
+        first), then prompt chunks of the others up to ``n_batch`` tokens in all."""
+        dec, m = self.decoder, self.metrics
+        gen = [s for s in active if s.job.seq.started]
+        rnd = None
+        parts: list[tuple] = []  # (tokens, positions, seq ids) of the decode, round first
+        if gen:
+            for s in gen:
+                s.job.seq.n_remaining = _remaining(s.job, self.n_ctx_slot)
+            rnd = dec.begin_round([s.job.seq for s in gen])
+            parts.append((rnd.toks, rnd.pos, rnd.seqs))
+        n_gen = rnd.n_rows if rnd is not None else 0
+        rows = list(range(n_gen))
+        pre: list[tuple[Slot, int, bool, int]] = []  # slot, n tokens, last chunk, logits row
         budget = max(1, self.cfg.n_batch - n_gen)
-        for s in sorted((s for s in active if s.job.last is None), key=lambda s: s.job.stats.t_start):
+        n_tok = n_gen
+        for s in sorted((s for s in active if not s.job.seq.started), key=lambda s: s.job.stats.t_start):
             if budget <= 0:
                 break
             job = s.job
@@ -572,25 +578,23 @@ class Engine:
             if job.ckpt_at:  # end the chunk where a checkpoint is due
                 n = min(n, job.ckpt_at[0] - job.n_fed)
             budget -= n
-            toks.extend(job.prompt[job.n_fed:job.n_fed + n])
-            pos.extend(range(job.n_fed, job.n_fed + n))
-            seqs.extend([s.id] * n)
+            parts.append((job.prompt[job.n_fed:job.n_fed + n], np.arange(job.n_fed, job.n_fed + n), [s.id] * n))
+            n_tok += n
             last = n == todo
             pre.append((s, n, last, len(rows)))
             if last:
-                rows.append(len(toks) - 1)
+                rows.append(n_tok - 1)
+        toks, pos, seqs = (np.concatenate(x).astype(np.int32, copy=False) for x in zip(*parts))
 
         t0 = time.perf_counter()
         logits = self.ctx.decode(toks, pos, seqs, logits=np.asarray(rows, dtype=np.int64))
         hidden = self.ctx.last_hidden if self.ctx.export_hidden else None  # every row's, for process()
-        m = self.metrics
         m.decode_seconds.inc(time.perf_counter() - t0)
         m.decode_steps.inc()
         m.batch_tokens.observe(len(toks))
 
-        if self.spec is not None and pre:
-            self.spec.process("prompt", seqs[n_gen:], toks[n_gen:], pos[n_gen:],
-                              hidden=None if hidden is None else hidden[n_gen:])
+        if pre:
+            dec.process_prompt(seqs[n_gen:], toks[n_gen:], pos[n_gen:], None if hidden is None else hidden[n_gen:])
         for s, n, last, r in pre:
             job = s.job
             s.tokens.extend(job.prompt[job.n_fed:job.n_fed + n])
@@ -601,113 +605,50 @@ class Engine:
                 self._checkpoint(s)
             if last:
                 job.stats.t_prompt_done = time.perf_counter()
-                self._sample(s, job, logits[r:r + 1], [])
+                try:
+                    tok = dec.start(job.seq, logits[r])
+                except Exception as e:  # e.g. non-finite logits: fail this request only
+                    self._verify_failed(job.seq, e)
+                    continue
+                self._take(job.seq, [tok], logits[r:r + 1])
 
-        accepted: dict[int, int] = {}
-        replay: list[tuple[Slot, int, list[int]]] = []
-        for s, fed, r0, draft in gen:
-            job = s.job
-            s.tokens.extend(fed)
-            accepted[s.id] = self._sample(s, job, logits[r0:r0 + len(fed)], draft, saved, replay)
-        if replay:
-            self._replay(replay)
-        if self.spec is not None and gen:
-            for sid, k in accepted.items():
-                self.spec.accept(sid, k)
-            self.spec.process("verify", seqs[:n_gen], toks[:n_gen], pos[:n_gen], accepted,
-                              hidden=None if hidden is None else hidden[:n_gen])
+        if rnd is not None:
+            dec.end_round(rnd, logits[:n_gen], None if hidden is None else hidden[:n_gen], self._take,
+                          self._verify_failed)
+            for s, seq in zip(gen, rnd.slots):  # the cache holds every token of the sequence but the last
+                if s not in self._failed:
+                    s.tokens.extend(seq.tokens[len(s.tokens): seq.n - 1].tolist())
+            if rnd.n_drafted:
+                m.add_spec(rnd.n_drafted, rnd.n_accepted)
+            m.spec_state_restores.inc(rnd.n_restored)
+            m.spec_replayed_tokens.inc(rnd.n_replayed)
+            m.decode_seconds.inc(rnd.t_replay)
+        for s in self._failed:
+            self._reset_slot(s)
+        self._failed.clear()
         self._end_sequences()
 
-    def _drafts(self, gen_slots: list[Slot]) -> dict[int, list[int]]:
-        """Ask the proposers for drafts for every generating slot (one batched call)."""
-        wants = []
-        for s in gen_slots:
-            job = s.job
-            cap = min(self.n_ctx_slot - len(s.tokens) - 1, _remaining(job, self.n_ctx_slot) - 1)
-            if cap >= 1:
-                wants.append((s.id, np.asarray(job.history, dtype=np.int32), cap, job.sampler))
-        if not wants:
-            return {}
-        try:
-            return self.spec.draft(wants)
-        except Exception:  # a failing proposer costs speed, never output
-            log.exception("drafting failed; this step runs without drafts")
-            return {}
-
-    def _sample(self, s: Slot, job: Job, rows: np.ndarray, draft: list[int], saved: dict | None = None,
-                replay: list | None = None) -> int:
-        """Sample from each row in turn (verifying the draft), push the tokens, roll back the
-        cache to the last row whose input was confirmed. Returns the accepted draft length.
-
-        Recurrent state that cannot roll back that far is restored from ``saved`` (taken before
-        the decode) or a checkpoint, and the tokens to decode again go to ``replay``."""
-        n_rows = 0
-        accepted = 0
-        tok = None
-        done = False
-        try:
-            for i in range(rows.shape[0]):
-                n_rows += 1
-                tok = job.sampler.sample(rows[i], job.history)
-                done = self._push(job, tok, rows[i])
-                if done or i >= len(draft) or tok != draft[i]:
-                    break
-                accepted += 1
-        except Exception as e:  # e.g. non-finite logits: fail this request only
-            log.exception("sampling failed")
-            self._fail(job, f"internal error: {e}", 500)
-            done = True
-        if draft:
-            job.stats.n_drafted += len(draft)
-            job.stats.n_accepted += accepted
-            self.metrics.add_spec(len(draft), accepted)
-        # rows 0..n_rows-1 read confirmed inputs; drop the rest of the draft from the cache
-        keep = len(s.tokens) - rows.shape[0] + n_rows
-        if keep < len(s.tokens):
+    def _take(self, seq, tokens: list[int], rows: np.ndarray) -> int:
+        """The shared round's consumer: push a slot's new tokens to its job until the job
+        finishes; returns how many were used (the round drops the rest from the cache)."""
+        job = self.slots[seq.seq].job
+        for i, tok in enumerate(tokens):
             try:
-                self.ctx.truncate(s.id, keep)
-                del s.tokens[keep:]
-            except RollbackError:
-                self._restore_for_replay(s, keep, (saved or {}).get(s.id), replay)
-        if not done:
-            job.last = tok
-        return accepted
+                if self._push(job, tok, rows[i]):
+                    return i + 1
+            except Exception as e:  # fail this request only
+                log.exception("sampling failed")
+                self._fail(job, f"internal error: {e}", 500)
+                return i + 1
+        return len(tokens)
 
-    def _restore_for_replay(self, s: Slot, keep: int, saved, replay: list | None) -> None:
-        """After a verify decode, make the slot hold its first ``keep`` tokens when its recurrent
-        state cannot roll back there: restore the state saved before the decode (else the newest
-        checkpoint, else nothing) and queue the missing tokens for one replay decode."""
-        tokens = s.tokens[:keep]
-        if saved is not None and saved.n_tokens <= keep:
-            self.ctx.restore_state(s.id, saved)
-            start = saved.n_tokens
-            self.metrics.spec_state_restores.inc()
-        else:  # never expected (drafts beyond the limit are saved first): a checkpoint or nothing
-            log.warning("slot %d: no saved state to roll back a draft; replaying from a checkpoint", s.id)
-            start = self._rewind(s, keep)
-        s.tokens = tokens[:start]
-        self._drop_checkpoints(s, start)
-        if keep > start:
-            if replay is None:
-                self._replay([(s, start, tokens[start:keep])])
-            else:
-                replay.append((s, start, tokens[start:keep]))
-
-    def _replay(self, items: list[tuple[Slot, int, list[int]]]) -> None:
-        """Decode tokens again that a restored state lacks (one batch, no logits)."""
-        toks: list[int] = []
-        pos: list[int] = []
-        seqs: list[int] = []
-        for s, start, t in items:
-            toks.extend(t)
-            pos.extend(range(start, start + len(t)))
-            seqs.extend([s.id] * len(t))
-        t0 = time.perf_counter()
-        self.ctx.decode(toks, pos, seqs, logits="none")
-        self.metrics.decode_seconds.inc(time.perf_counter() - t0)
-        self.metrics.spec_replayed_tokens.inc(len(toks))
-        for s, start, t in items:
-            s.tokens.extend(t)
+    def _verify_failed(self, seq, e: Exception) -> None:
+        """A slot's sampling or verification raised: fail its request, forget its cache."""
+        log.error("sampling failed: %s: %s", type(e).__name__, e)
+        s = self.slots[seq.seq]
+        if s.job is not None:
+            self._fail(s.job, f"internal error: {e}", 500)
+        self._failed.append(s)  # reset after the step
 
     def _push(self, job: Job, tok: int, row: np.ndarray) -> bool:
         """Add one sampled token to a job's output; True when the job is finished."""
@@ -724,7 +665,6 @@ class Engine:
         m.generation_tokens.inc()
         lp = _logprob(row, tok, job.params.logprobs) if job.params.logprobs is not None else None
         job.out.append(tok)
-        job.history.append(tok)
         job.text += job.decoder.feed(tok)
         hit = find_stop(job.text, job.params.stop, job.emitted)
         if hit is not None:
@@ -736,7 +676,7 @@ class Engine:
             self._post(Event(job, "delta", text=job.text[job.emitted:safe],
                              logprobs=[lp] if lp is not None else None))
             job.emitted = safe
-        if len(job.out) >= _max_tokens(job, self.n_ctx_slot) or len(job.history) >= self.n_ctx_slot:
+        if len(job.out) >= _max_tokens(job, self.n_ctx_slot) or len(job.prompt) + len(job.out) >= self.n_ctx_slot:
             job.text += job.decoder.flush()
             self._finish(job, "length")
             return True
@@ -748,7 +688,7 @@ class Engine:
         if s is not None and s.job is job:
             s.job = None
             s.last_used = time.perf_counter()
-            self._to_end.append(s.id)
+            self._to_end.append((s.id, job.seq))
         job.finished = True
         self.metrics.slots_busy.set(self.n_busy)
 
@@ -758,6 +698,8 @@ class Engine:
         if not st.t_prompt_done:
             st.t_prompt_done = st.t_end
         st.n_gen = len(job.out)
+        if job.seq is not None:  # the shared round counts the drafts
+            st.n_drafted, st.n_accepted = job.seq.stats.drafted, job.seq.stats.accepted
         self._release(job)
         self.metrics.requests_finished.inc(reason=reason)
         self.metrics.request_latency.observe(st.t_end - st.t_arrival)
@@ -804,7 +746,7 @@ def _max_tokens(job: Job, n_ctx_slot: int) -> int:
 
 
 def _remaining(job: Job, n_ctx_slot: int) -> int:
-    return min(_max_tokens(job, n_ctx_slot) - len(job.out), n_ctx_slot - len(job.history))
+    return min(_max_tokens(job, n_ctx_slot) - len(job.out), n_ctx_slot - len(job.prompt) - len(job.out))
 
 
 def _logprob(row: np.ndarray, tok: int, k: int) -> TokenLogprob:

@@ -74,6 +74,8 @@ class DecodeBatch:
     """A target decode as proposers see it in ``process``: one row per token.
 
     kind: "prompt" or "verify"; n_accepted maps seq -> accepted draft tokens (verify only).
+    hidden: the target's hidden rows of exactly these tokens (float32 [n_tokens, n_embd]) when the
+    target exports them and the decode held other rows too; None: read ``ctx.last_hidden``.
     """
 
     kind: str
@@ -81,6 +83,7 @@ class DecodeBatch:
     tokens: np.ndarray
     positions: np.ndarray
     n_accepted: dict[int, int] | None = None
+    hidden: np.ndarray | None = None
 
 
 class Proposer:

@@ -1,14 +1,14 @@
 """The ``serve`` command line, and the scheduler's pure helpers."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from pyfast.cli import build_parser
+from pyfast.sampling import Sampler, SamplingParams
 from pyfast.server.engine import common_prefix, find_stop
 from pyfast.server.main import read_api_keys
 from pyfast.server.metrics import ServerMetrics
-from pyfast.server.spec import SpecConfig, Speculator, build_proposers, register_drafter
+from pyfast.server.spec import SpecConfig, as_proposer, build_proposers, register_drafter
 
 
 def test_serve_flags():
@@ -57,12 +57,33 @@ def test_find_stop():
     assert find_stop("hello world", ["hello"], 11) is None  # already emitted text is not searched
 
 
-def test_spec_registry_and_speculator():
+class _StubKV:
+    def free_cells(self, need):
+        return need
+
+    def can_rollback(self):
+        return float("inf")
+
+
+class _StubCtx:
+    """What SpecDecoder's drafting reads of a Context."""
+
+    n_ctx, max_plans, rec, export_hidden = 100, 12, None, False
+    kv = _StubKV()
+
+    class model:
+        n_vocab = 10
+
+
+def test_spec_registry_and_duck_typed_proposers():
+    from pyfast.spec.base import Draft
+    from pyfast.spec.decoder import SpecDecoder
+
     assert build_proposers(SpecConfig(spec_type="none"), None, 100) == []
     with pytest.raises(ValueError):
         build_proposers(SpecConfig(spec_type="no-such-method"), None, 100)
 
-    class Fixed:
+    class Fixed:  # a registered drafter need not subclass pyfast.spec.Proposer
         default_n_max = 4
 
         def __init__(self, toks):
@@ -77,21 +98,26 @@ def test_spec_registry_and_speculator():
         def accept(self, seq, k, other=False):
             self.log.append(("accept", seq, k, other))
 
-        def process(self, batch):
-            pass
-
     register_drafter("test-fixed", lambda model, cfg: Fixed([1, 2, 3, 4, 5]))
     (p,) = build_proposers(SpecConfig(spec_type="test-fixed"), None, 100)
-    empty, full = Fixed([]), p
-    sp = Speculator([empty, full], n_vocab=10, n_min=2)
-    sp.begin(0, [7, 8])
-    got = sp.draft([(0, np.array([7, 8]), 3, None), (1, np.array([7]), 1, None)])
-    assert got == {0: [1, 2, 3]}  # seq 1's cap (1) is below n_min: no draft
-    sp.accept(0, 2)
-    assert ("accept", 0, 2, False) in full.log and ("accept", 0, 2, True) in empty.log
-    bad = Speculator([Fixed([1, 99])], n_vocab=10)
+    empty, full = as_proposer(Fixed([])), as_proposer(p)
+    assert full.name == "Fixed" and full.default_n_max == 4 and as_proposer(full) is full
+    dec = SpecDecoder(_StubCtx(), [empty, full], SpecConfig(n_min=2).decoder_config())
+    sampler = Sampler(SamplingParams(temperature=0), 10)
+    a = dec.add(0, [7, 8], sampler)
+    b = dec.add(1, [7], sampler)
+    b.n_remaining = 2  # its cap (1) is below n_min: no draft
+    drafts, winners, _ = dec._draft([a, b])
+    assert isinstance(drafts[0], Draft) and drafts[0].tokens.tolist() == [1, 2, 3, 4]
+    assert winners == [full, None] and drafts[1] is None
+    dec._settle(a, full, "Fixed", 4, [1, 2, 9], 2)
+    assert ("accept", 0, 2, False) in p.log and ("begin", 1) in p.log
+    bad = SpecDecoder(_StubCtx(), [as_proposer(Fixed([1, 99]))])
+    c = bad.add(0, [1], sampler)
     with pytest.raises(ValueError, match="outside"):
-        bad.draft([(0, np.array([1]), 4, None)])
+        bad._draft([c])
+    safe = SpecDecoder(_StubCtx(), [as_proposer(Fixed([1, 99]))], safe_drafts=True)  # the server's
+    assert safe._draft([safe.add(0, [1], sampler)])[0] == [None]
     with pytest.raises(ValueError):
         SpecConfig(n_max=0).validate()
 
