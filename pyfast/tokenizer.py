@@ -425,6 +425,7 @@ class Tokenizer:
                                  "(required for a 'gpt2' BPE vocabulary)")
             self._hf = self._build_bpe(merges, ignore_merges)
         self._hf_plain = None  # built on first encode(special=False)
+        self._control_re = None  # control-token texts (encode_rendered)
         self._lock = threading.Lock()
 
     def _build_pieces(self) -> list[bytes]:
@@ -647,6 +648,42 @@ class Tokenizer:
             _check_text(text)
             raise
         return self._wrap(ids, add_bos, add_eos)
+
+    def control_texts(self) -> list[str]:
+        """Texts of the tokens ``encode(special=True)`` parses and ``special=False`` does not
+        (control and unknown tokens), longest first."""
+        texts = {self._tokens[i] for i in self._special_ids}
+        return sorted((t for t in texts if t), key=len, reverse=True)
+
+    def encode_rendered(self, text: str, add_bos: bool | None = None, marker: str = "\ufdd0") -> list[int]:
+        """Token ids of a chat template's output in which message content was protected by
+        ``ChatTemplate.render(protect=...)``: the control tokens the template wrote are parsed,
+        special-token text inside content (broken up by ``marker``) is tokenized as plain text,
+        and the markers are dropped. Without markers this is ``encode(text, special=True)``."""
+        if marker not in text:
+            return self.encode(text, add_bos=add_bos, special=True)
+        import re
+
+        pat = self._control_re
+        if pat is None:
+            texts = self.control_texts()
+            pat = self._control_re = re.compile("|".join(re.escape(t) for t in texts)) if texts else re.compile("(?!)")
+        ids: list[int] = []
+        pos = 0
+        for m in pat.finditer(text):
+            if m.start() > pos:
+                ids += self.encode(text[pos:m.start()].replace(marker, ""), add_bos=False, special=False)
+            ids.append(self._control_id(m.group(0)))
+            pos = m.end()
+        if pos < len(text):
+            ids += self.encode(text[pos:].replace(marker, ""), add_bos=False, special=False)
+        return self._wrap(ids, add_bos, None)
+
+    def _control_id(self, text: str) -> int:
+        tid = self.piece_to_id(text)
+        if tid is None or tid not in self._special_ids:  # a duplicate text: the first control token
+            tid = min(i for i in self._special_ids if self._tokens[i] == text)
+        return tid
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None,
                      special: bool = True, *, add_eos: bool | None = None) -> list[list[int]]:

@@ -9,6 +9,13 @@ Request bodies are parsed by pydantic straight from the raw bytes (``model_valid
 malformed JSON, invalid UTF-8 and wrong types all become 400s naming the field at fault.
 Template rendering and tokenization run in worker threads; generation runs in the engine's
 scheduler thread; the event loop only moves bytes.
+
+Work is bounded before it is done (``limits.py``): the body is read in chunks up to its limit and
+within its timeouts; a prompt whose bytes cannot fit the slot's context (every token covers at
+most ``max_token_bytes`` bytes) is refused before it is tokenized; templates render under their
+budget (stopped when the client goes); rendering and tokenizing run at most ``max_prepare`` at a
+time; a request that could never fit the queue is a 400. Special-token text in chat message
+content is plain text unless the request says ``"parse_special": true``.
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ import asyncio
 import hmac
 import json
 import os
+import re
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -25,15 +34,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyfast import __version__
 from pyfast.sampling import SamplingParams
 from pyfast.server.engine import Engine, EngineStopped, Event, GenParams, Job, JobStats, QueueFull
+from pyfast.server.limits import Drain, Limits
 from pyfast.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_BODY_BYTES = Limits.max_body_bytes
+REPEAT_PENALTY_RANGE = (1e-4, 1e4)  # beyond these, logits / penalty overflows float32 or rounds to 0
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 _ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
                      "/v1/models", "/models", "/health", "/v1/health", "/metrics", "/tokenize",
@@ -55,18 +68,21 @@ class APIError(Exception):
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.status in (408, 413):  # the rest of the body is not wanted: close instead of reading it
+        headers["Connection"] = "close"
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
 class _Guard:
     """ASGI middleware: API keys and per-route request counts (pure ASGI, so streaming
     responses and disconnects pass through untouched)."""
 
-    def __init__(self, app, engine: Engine, api_keys: list[str]):
+    def __init__(self, app, engine: Engine, api_keys: list[str], drain: Drain | None = None):
         self.app = app
         self.engine = engine
         self.keys = [k.encode() for k in api_keys]
+        self.drain = drain
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -81,6 +97,10 @@ class _Guard:
             await send(msg)
 
         try:
+            if self.drain is not None and self.drain.draining and path not in PUBLIC_PATHS:
+                err = APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+                await _error_response(err)(scope, receive, send_wrapped)
+                return
             if self.keys and path not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
                 err = self._check_key(scope)
                 if err is not None:
@@ -110,12 +130,18 @@ class _Guard:
         return None
 
 
-def create_app(engine: Engine, api_keys: list[str] | None = None) -> FastAPI:
+def create_app(engine: Engine, api_keys: list[str] | None = None, limits: Limits | None = None,
+               drain: Drain | None = None) -> FastAPI:
     """The FastAPI application serving ``engine``; the engine's scheduler runs while the app
-    does (started and stopped by the app's lifespan)."""
+    does (started and stopped by the app's lifespan). ``limits``: request bounds (defaults:
+    :class:`Limits`); ``drain``: the shutdown state a :class:`~pyfast.server.limits.GracefulServer`
+    starts on SIGTERM (running requests then get ``drain.timeout`` seconds)."""
+    limits = (limits or Limits()).validate()
+    drain = drain or Drain(limits.shutdown_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        drain.bind(asyncio.get_running_loop())
         engine.start(asyncio.get_running_loop())
         try:
             yield
@@ -124,6 +150,8 @@ def create_app(engine: Engine, api_keys: list[str] | None = None) -> FastAPI:
 
     app = FastAPI(title="pyfast", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.drain = drain
+    app.state.limits = limits
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -138,7 +166,7 @@ def create_app(engine: Engine, api_keys: list[str] | None = None) -> FastAPI:
     async def _internal(request: Request, e: Exception):
         return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
-    api = _API(engine)
+    api = _API(engine, limits, drain)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -150,17 +178,48 @@ def create_app(engine: Engine, api_keys: list[str] | None = None) -> FastAPI:
     app.add_api_route("/completions", api.completions, methods=["POST"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
-    app.add_middleware(_Guard, engine=engine, api_keys=list(api_keys or []))
+    app.add_middleware(_Guard, engine=engine, api_keys=list(api_keys or []), drain=drain)
     return app
 
 
-async def _parse(request: Request, schema: type[BaseModel]) -> Any:
+async def _read_body(request: Request, limits: Limits) -> bytes:
+    """The body, read chunk by chunk: refused (413) as soon as it passes the limit, and (408)
+    when a chunk does not come within body_idle_timeout or the whole within body_timeout."""
+    limit = limits.max_body_bytes
     n = request.headers.get("content-length")
-    if n is not None and n.isdigit() and int(n) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body too large (limit {MAX_BODY_BYTES} bytes)")
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body too large (limit {MAX_BODY_BYTES} bytes)")
+    if n is not None:
+        if not n.strip().isdigit():
+            raise APIError(400, f"invalid Content-Length header {n[:40]!r}")
+        if int(n) > limit:
+            raise APIError(413, f"request body too large (limit {limit} bytes)")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.body_timeout
+    chunks: list[bytes] = []
+    size = 0
+    stream = request.stream().__aiter__()
+    while True:
+        wait = min(limits.body_idle_timeout, deadline - loop.time())
+        try:
+            if wait <= 0:
+                raise asyncio.TimeoutError
+            chunk = await asyncio.wait_for(stream.__anext__(), wait)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive in time (at most {limits.body_idle_timeout:g} s "
+                                f"between chunks, {limits.body_timeout:g} s in all)", code="body_timeout") from None
+        except ClientDisconnect:
+            raise APIError(400, "the client disconnected while sending the body") from None
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body too large (limit {limit} bytes)")
+        if chunk:
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, schema: type[BaseModel], limits: Limits | None = None) -> Any:
+    body = await _read_body(request, limits or Limits())
     if not body.strip():
         raise APIError(400, "empty request body: expected a JSON object")
     try:
@@ -192,8 +251,45 @@ def _is_type_tag(p: str) -> bool:
 
 
 class _API:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, limits: Limits | None = None, drain: Drain | None = None):
         self.engine = engine
+        self.limits = limits or Limits()
+        self.drain = drain
+        import anyio
+
+        self.prepare_limiter = anyio.CapacityLimiter(self.limits.max_prepare)
+        tok = engine.tokenizer
+        # every token stands for at most this many bytes of text, so a text of more than
+        # n_ctx_slot * max_token_bytes bytes cannot fit in a slot whatever its tokens
+        self.max_token_bytes = max(1, max((len(tok.token_piece(i)) for i in range(engine.n_vocab)), default=1))
+        self._special_texts = None
+
+    @property
+    def special_texts(self) -> list[str]:
+        """The control-token texts a chat message's content may not smuggle in."""
+        if self._special_texts is None:
+            self._special_texts = self.engine.tokenizer.control_texts()
+        return self._special_texts
+
+    def _check_bytes(self, n_bytes: int, param: str) -> None:
+        n_slot = self.engine.n_ctx_slot
+        if n_bytes > n_slot * self.max_token_bytes:
+            raise APIError(400, f"the prompt has {n_bytes} bytes, more than {n_slot} tokens can hold (this server's "
+                                f"context holds {n_slot} tokens per request; a token covers at most "
+                                f"{self.max_token_bytes} bytes)", param=param, code="context_length_exceeded")
+
+    async def _prepare(self, request: Request, fn):
+        """Run CPU work for a request (render, tokenize) in a worker thread, at most
+        max_prepare at a time; fn(should_stop) sees should_stop() turn True when the client goes."""
+        import anyio
+
+        gone = threading.Event()
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher.add_done_callback(lambda _: gone.set())
+        try:
+            return await anyio.to_thread.run_sync(fn, gone.is_set, limiter=self.prepare_limiter)
+        finally:
+            watcher.cancel()
 
     # --- info ------------------------------------------------------------------------------
     async def health(self) -> Response:
@@ -218,10 +314,10 @@ class _API:
         return PlainTextResponse(e.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
-        req: TokenizeRequest = await _parse(request, TokenizeRequest)
+        req: TokenizeRequest = await _parse(request, TokenizeRequest, self.limits)
         tok = self.engine.tokenizer
         try:
-            ids = await run_in_threadpool(tok.encode, req.content, req.add_special, req.parse_special)
+            ids = await self._prepare(request, lambda _stop: tok.encode(req.content, req.add_special, req.parse_special))
         except (ValueError, TypeError) as e:
             raise APIError(400, f"content: {e}", param="content") from None
         if req.with_pieces:
@@ -229,7 +325,7 @@ class _API:
         return JSONResponse({"tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
-        req: DetokenizeRequest = await _parse(request, DetokenizeRequest)
+        req: DetokenizeRequest = await _parse(request, DetokenizeRequest, self.limits)
         self._check_ids(req.tokens, "tokens")
         return JSONResponse({"content": self.engine.tokenizer.decode(req.tokens)})
 
@@ -250,7 +346,7 @@ class _API:
                 raise APIError(400, f"{param}: token id {t} is outside the vocabulary [0, {n})", param=param)
 
     async def chat(self, request: Request) -> Response:
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, self.limits)
         self._check_model(req.model)
         e = self.engine
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -266,15 +362,21 @@ class _API:
                     d[k] = v
             messages.append(d)
         kwargs = dict(req.chat_template_kwargs or {})
-        for k in ("messages", "tools", "add_generation_prompt"):
+        for k in ("messages", "tools", "add_generation_prompt", "time_limit", "should_stop", "protect"):
             kwargs.pop(k, None)
+        # content that cannot fit is refused before the template runs
+        self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
+                              if isinstance(m["content"], str)), "messages")
+        protect = None if req.parse_special else self.special_texts
 
-        def render() -> list[int]:
-            text = e.chat_template.render(messages, add_generation_prompt=True, tools=req.tools, **kwargs)
-            return e.tokenizer.encode(text)
+        def render(should_stop) -> list[int]:
+            text = e.chat_template.render(messages, add_generation_prompt=True, tools=req.tools,
+                                          should_stop=should_stop, protect=protect, **kwargs)
+            self._check_bytes(len(text.encode("utf-8", "surrogatepass")), "messages")
+            return e.tokenizer.encode_rendered(text) if protect else e.tokenizer.encode(text)
 
         try:
-            prompt = await run_in_threadpool(render)
+            prompt = await self._prepare(request, render)
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -282,7 +384,7 @@ class _API:
         return await self._generate(request, req, [prompt], max_tokens, k, chat=True)
 
     async def completions(self, request: Request) -> Response:
-        req: CompletionRequest = await _parse(request, CompletionRequest)
+        req: CompletionRequest = await _parse(request, CompletionRequest, self.limits)
         self._check_model(req.model)
         e = self.engine
         if req.suffix:
@@ -292,11 +394,16 @@ class _API:
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         p = req.prompt
+        if isinstance(p, str):
+            self._check_bytes(len(p.encode("utf-8", "surrogatepass")), "prompt")
+        elif all(isinstance(x, str) for x in p):
+            for x in p:
+                self._check_bytes(len(x.encode("utf-8", "surrogatepass")), "prompt")
         try:
             if isinstance(p, str):
-                prompts = [await run_in_threadpool(e.tokenizer.encode, p)]
+                prompts = [await self._prepare(request, lambda _stop: e.tokenizer.encode(p))]
             elif all(isinstance(x, str) for x in p):
-                prompts = [await run_in_threadpool(e.tokenizer.encode, x) for x in p]
+                prompts = await self._prepare(request, lambda _stop: [e.tokenizer.encode(x) for x in p])
             elif all(isinstance(x, int) for x in p):
                 prompts = [list(p)]
             else:
@@ -325,19 +432,32 @@ class _API:
         base = {k: getattr(req, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                               "repeat_last_n", "frequency_penalty", "presence_penalty")
                 if getattr(req, k) is not None}
+        rp = base.get("repeat_penalty")
+        if rp is not None and not REPEAT_PENALTY_RANGE[0] <= rp <= REPEAT_PENALTY_RANGE[1]:
+            raise APIError(400, f"repeat_penalty must be in [{REPEAT_PENALTY_RANGE[0]:g}, {REPEAT_PENALTY_RANGE[1]:g}] "
+                                f"(1.0 disables), got {rp!r}", param="repeat_penalty")
         if req.logit_bias:
             bias = {}
             for t, b in req.logit_bias.items():
-                try:
-                    tid = int(t)
-                except ValueError:
-                    raise APIError(400, f"logit_bias: keys must be token ids, got {t!r}", param="logit_bias") from None
+                if not _TOKEN_ID.fullmatch(t):  # int() would also take "1_0", " 3" or "٣"
+                    raise APIError(400, f"logit_bias: keys must be token ids written in ASCII digits, got {t[:40]!r}",
+                                   param="logit_bias")
+                tid = int(t)
                 if not 0 <= tid < e.n_vocab:
                     raise APIError(400, f"logit_bias: token id {tid} is outside the vocabulary [0, {e.n_vocab})",
                                    param="logit_bias")
                 # OpenAI: -100 effectively bans a token, 100 effectively forces it
                 bias[tid] = float("-inf") if b <= -100 else float(b)
+            if sum(1 for b in bias.values() if b == float("-inf")) >= e.n_vocab:
+                raise APIError(400, f"logit_bias bans every token of the vocabulary ({e.n_vocab}); nothing could be "
+                                    "generated", param="logit_bias")
             base["logit_bias"] = bias
+        n_jobs = len(prompts) * req.n
+        capacity = e.cfg.max_queue + e.cfg.n_parallel
+        if n_jobs > capacity:
+            raise APIError(400, f"the request asks for {n_jobs} sequences ({len(prompts)} prompts x n={req.n}); this "
+                                f"server holds at most {capacity} at once (--parallel {e.cfg.n_parallel} + --max-queue "
+                                f"{e.cfg.max_queue})", param="n", code="request_too_large")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop = [s for s in stop if s]
         queue: asyncio.Queue = asyncio.Queue()
@@ -349,7 +469,8 @@ class _API:
                 try:
                     sp.validate()
                 except ValueError as err:
-                    raise APIError(400, str(err)) from None
+                    field = str(err).split(" ", 1)[0].split(".")[-1] if str(err).startswith("SamplingParams.") else None
+                    raise APIError(400, str(err), param=field) from None
                 gp = GenParams(max_tokens=max_tokens, sampling=sp, stop=stop, ignore_eos=req.ignore_eos,
                                logprobs=logprobs)
                 jobs.append(Job(p, gp, queue, index=pi * req.n + j))
@@ -363,10 +484,10 @@ class _API:
         fmt = _Formatter(e, rid, chat, logprobs is not None, len(prompts), req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(fmt, jobs, queue, include_usage, e),
+            return StreamingResponse(_sse(fmt, jobs, queue, include_usage, e, self.drain),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, fmt, jobs, queue, e)
+        return await _collect(request, fmt, jobs, queue, e, self.drain)
 
 
 def _content_text(content, i: int) -> str | None:
@@ -485,8 +606,49 @@ def _sse_line(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+_SHUTDOWN_MSG = "the server is shutting down; this request did not finish in the shutdown grace period"
+
+
+class _Events:
+    """A request's engine events, or None once the shutdown grace period has expired."""
+
+    def __init__(self, queue: asyncio.Queue, drain: Drain | None):
+        self.queue = queue
+        self.expired = drain.expired if drain is not None else None
+        self._exp_task: asyncio.Future | None = None
+
+    async def next(self, extra: asyncio.Future | None = None):
+        """The next event; None when the grace period is over; ``extra`` (e.g. a disconnect
+        watcher) finishing first returns it instead."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        if self.expired is not None and self.expired.is_set():
+            return None
+        waits = set()
+        get = asyncio.ensure_future(self.queue.get())
+        waits.add(get)
+        if self.expired is not None:
+            if self._exp_task is None:
+                self._exp_task = asyncio.ensure_future(self.expired.wait())
+            waits.add(self._exp_task)
+        if extra is not None:
+            waits.add(extra)
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        if extra is not None and extra in done:
+            return extra
+        return None
+
+    def close(self) -> None:
+        if self._exp_task is not None:
+            self._exp_task.cancel()
+
+
 async def _sse(fmt: _Formatter, jobs: list[Job], queue: asyncio.Queue, include_usage: bool,
-               engine: Engine) -> AsyncIterator[bytes]:
+               engine: Engine, drain: Drain | None = None) -> AsyncIterator[bytes]:
+    events = _Events(queue, drain)
     try:
         if fmt.chat:
             for j in jobs:
@@ -496,7 +658,13 @@ async def _sse(fmt: _Formatter, jobs: list[Job], queue: asyncio.Queue, include_u
                 yield _sse_line(fmt.chunk(j.index, engine.tokenizer.decode(j.prompt), None, None))
         pending = len(jobs)
         while pending:
-            ev: Event = await queue.get()
+            ev: Event | None = await events.next()
+            if ev is None:  # shutdown: end the stream with an error, not a cut connection
+                for j in jobs:
+                    engine.cancel(j)
+                yield _sse_line(APIError(503, _SHUTDOWN_MSG, "server_error", code="shutting_down").body())
+                yield b"data: [DONE]\n\n"
+                return
             i = ev.job.index
             if ev.kind == "delta":
                 yield _sse_line(fmt.chunk(i, ev.text, ev.logprobs, None))
@@ -520,6 +688,7 @@ async def _sse(fmt: _Formatter, jobs: list[Job], queue: asyncio.Queue, include_u
                              "usage": fmt.usage(jobs), "timings": fmt.timings([j.stats for j in jobs])})
         yield b"data: [DONE]\n\n"
     finally:
+        events.close()
         for j in jobs:  # the client went away (or we are done): free the slots now
             engine.cancel(j)
 
@@ -532,23 +701,20 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _collect(request: Request, fmt: _Formatter, jobs: list[Job], queue: asyncio.Queue,
-                   engine: Engine) -> Response:
+                   engine: Engine, drain: Drain | None = None) -> Response:
     texts = {j.index: [] for j in jobs}
     lps: dict[int, list] = {j.index: [] for j in jobs}
     finish: dict[int, str] = {}
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    events = _Events(queue, drain)
     try:
         pending = len(jobs)
         while pending:
-            if queue.empty():
-                get = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:  # the client is gone
-                    get.cancel()
-                    return Response(status_code=499)
-                ev: Event = get.result()
-            else:
-                ev = queue.get_nowait()
+            ev = await events.next(watcher)
+            if ev is watcher:  # the client is gone
+                return Response(status_code=499)
+            if ev is None:
+                raise APIError(503, _SHUTDOWN_MSG, "server_error", code="shutting_down")
             i = ev.job.index
             if ev.kind == "error":
                 raise APIError(ev.status, ev.message, "server_error")
@@ -560,6 +726,7 @@ async def _collect(request: Request, fmt: _Formatter, jobs: list[Job], queue: as
                 pending -= 1
     finally:
         watcher.cancel()
+        events.close()
         for j in jobs:
             engine.cancel(j)
     choices = []

@@ -44,6 +44,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-min", type=int, default=None, help="drop drafts shorter than this")
     p.add_argument("--draft-p-min", type=float, default=0.0,
                    help="model drafters stop when their top-1 probability is below this")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are ended with an "
+                        "error (default 10)")
+    p.add_argument("--timeout", dest="body_timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request body (default 30; 10 between chunks)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers (default 10)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -67,6 +74,7 @@ def serve_from_args(a: argparse.Namespace) -> int:
         import uvicorn
 
         from pyfast.server.app import create_app
+        from pyfast.server.limits import Drain, GracefulServer, Limits, header_timeout_protocol
         from pyfast.server.engine import Engine, EngineConfig
         from pyfast.server.spec import SpecConfig
     except ImportError as e:
@@ -76,6 +84,8 @@ def serve_from_args(a: argparse.Namespace) -> int:
     if not 0 < a.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     keys = read_api_keys(a.api_key, a.api_key_file)
+    limits = Limits(body_timeout=a.body_timeout, body_idle_timeout=min(10.0, a.body_timeout),
+                    header_timeout=a.header_timeout, shutdown_timeout=a.shutdown_timeout).validate()
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(levelname)s: %(message)s")
     cfg = EngineConfig(model=a.model, n_parallel=a.parallel, n_ctx=a.ctx_size, n_threads=a.threads,
                        n_batch=a.batch_size, n_ubatch=a.ubatch_size, n_checkpoints=a.ctx_checkpoints,
@@ -88,7 +98,11 @@ def serve_from_args(a: argparse.Namespace) -> int:
         logging.warning("serving on %s without an API key: anyone who can reach it can use it", a.host)
     logging.info("model %s: %d slots x %d tokens, listening on http://%s:%d", engine.model_id,
                  cfg.n_parallel, engine.n_ctx_slot, a.host, a.port)
-    app = create_app(engine, api_keys=keys)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.log_level == "debug",
-                timeout_graceful_shutdown=5)
+    drain = Drain(limits.shutdown_timeout)
+    app = create_app(engine, api_keys=keys, limits=limits, drain=drain)
+    # uvicorn's own grace period is a backstop: the app ends its requests at shutdown_timeout
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.log_level == "debug",
+                            http=header_timeout_protocol(limits.header_timeout),
+                            timeout_graceful_shutdown=limits.shutdown_timeout + 5)
+    GracefulServer(config, drain).run()
     return 0

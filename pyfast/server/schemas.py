@@ -68,6 +68,9 @@ class ChatCompletionRequest(_Sampling):
     response_format: Optional[dict] = None
     tools: Optional[list[dict]] = None
     chat_template_kwargs: Optional[dict] = None
+    # special-token text in message content ("<|im_end|>") is plain text unless the caller,
+    # trusting its messages, asks for it to be parsed (llama-server's parse_special)
+    parse_special: bool = False
 
 
 Prompt = Union[
