@@ -617,12 +617,13 @@ class Engine:
                           self._verify_failed)
             for s, seq in zip(gen, rnd.slots):  # the cache holds every token of the sequence but the last
                 if s not in self._failed:
-                    s.tokens.extend(seq.tokens[len(s.tokens): seq.n - 1].tolist())
+                    s.tokens.extend(seq._buf[len(s.tokens): seq.n - 1].tolist())
             if rnd.n_drafted:
                 m.add_spec(rnd.n_drafted, rnd.n_accepted)
-            m.spec_state_restores.inc(rnd.n_restored)
-            m.spec_replayed_tokens.inc(rnd.n_replayed)
-            m.decode_seconds.inc(rnd.t_replay)
+            if rnd.n_restored:
+                m.spec_state_restores.inc(rnd.n_restored)
+                m.spec_replayed_tokens.inc(rnd.n_replayed)
+                m.decode_seconds.inc(rnd.t_replay)
         for s in self._failed:
             self._reset_slot(s)
         self._failed.clear()

@@ -322,22 +322,20 @@ class SpecDecoder:
         drafts, winners, keys = self._draft(slots)
         t1 = time.perf_counter()
         lens = [1 + (len(d) if d is not None else 0) for d in drafts]
-        T = sum(lens)
-        toks = np.empty(T, dtype=np.int32)
-        pos = np.empty(T, dtype=np.int32)
-        seqs = np.empty(T, dtype=np.int32)
-        o = 0
+        toks: list[int] = []  # (plain lists: a few sequences of a few rows each)
+        pos: list[int] = []
+        seqs: list[int] = []
         for s, d, m in zip(slots, drafts, lens):
-            toks[o] = s._buf[s.n - 1]
+            toks.append(int(s._buf[s.n - 1]))
             if m > 1:
-                toks[o + 1: o + m] = d.tokens
-            pos[o: o + m] = np.arange(s.n - 1, s.n - 1 + m, dtype=np.int32)
-            seqs[o: o + m] = s.seq
-            o += m
+                toks.extend(d.tokens.tolist())
+            pos.extend(range(s.n - 1, s.n - 1 + m))
+            seqs.extend([s.seq] * m)
         # a draft longer than the memory can roll back: keep the state to restore (recurrent only)
         limit = ctx.rollback_limit
         saved = {s.seq: ctx.save_state(s.seq, kv=False) for s, m in zip(slots, lens) if m - 1 > limit}
-        return Round(list(slots), drafts, winners, keys, lens, toks, pos, seqs, saved, t0, t1)
+        return Round(list(slots), drafts, winners, keys, lens, np.array(toks, dtype=np.int32),
+                     np.array(pos, dtype=np.int32), np.array(seqs, dtype=np.int32), saved, t0, t1)
 
     def end_round(self, rnd: Round, logits: np.ndarray, hidden: np.ndarray | None = None,
                   take: Take | None = None, on_error: Callable[[Slot, Exception], None] | None = None

@@ -60,13 +60,15 @@ def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.nd
     the distribution draft[i] was drawn from) and a sampling (non-greedy) sampler, rejection
     sampling is used. Uses the sampler's RNG.
     """
+    if len(draft) == 0:  # no draft: plain decoding, the sampled token is the bonus token
+        if rows.shape[0] != 1:
+            raise ValueError(f"verify: 0 draft tokens need 1 logit row, got {rows.shape[0]}")
+        return VerifyResult([sampler.sample(rows[0], history, None if argmax is None else argmax[0])], 0, BONUS)
     draft = np.asarray(draft).reshape(-1)
     n = int(draft.size)
     if rows.shape[0] != n + 1:
         raise ValueError(f"verify: {n} draft tokens need {n + 1} logit rows, got {rows.shape[0]}")
     params = sampler.params
-    if n == 0:  # no draft: plain decoding, the sampled token is the bonus token
-        return VerifyResult([sampler.sample(rows[0], history, None if argmax is None else argmax[0])], 0, BONUS)
     pen = has_penalties(params)
     if pen and n:
         ext = np.concatenate([np.asarray(history, dtype=np.int64).reshape(-1), draft.astype(np.int64)])
