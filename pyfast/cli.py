@@ -358,15 +358,74 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+MAX_CTX = 1 << 24  # tokens; far above any model's context, far below what overflows an allocation
+
+
+def _check_args(a) -> None:
+    """Misuse of the common flags, caught before any work: thread counts (clamped to the cores
+    with a warning), context sizes, repetitions, and directories given where a file is wanted."""
+    cores = os.cpu_count() or 1
+
+    def threads(v: int, flag: str = "-t/--threads") -> int:
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+        if v > cores:
+            print(f"warning: {flag} {v} is more than the {cores} CPU cores; using {cores}", file=sys.stderr)
+            return cores
+        return v
+
+    t = getattr(a, "threads", None)
+    if isinstance(t, int):
+        a.threads = threads(t)
+    elif isinstance(t, str):  # bench: a comma-separated list
+        try:
+            vals = [int(x) for x in t.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"-t/--threads must be comma-separated integers, got {t!r}") from None
+        a.threads = ",".join(str(threads(v)) for v in vals) if vals else None
+    for name, flag in (("ctx_size", "-c/--ctx-size"), ("ctx_size_spec", "-c/--ctx-size")):
+        c = getattr(a, name, None)
+        if c is not None and not 1 <= c <= MAX_CTX:
+            raise ValueError(f"{flag} must be in [1, {MAX_CTX}], got {c}")
+    r = getattr(a, "repetitions", None)
+    if r is not None and r < 1:
+        raise ValueError(f"-r/--repetitions must be >= 1, got {r}")
+    for name, flag in (("file", "-f/--file"), ("api_key_file", "--api-key-file"), ("input", "input"),
+                       ("output", "output"), ("model", "-m/--model"), ("model_path", "model"),
+                       ("model_draft", "-md/--model-draft")):
+        v = getattr(a, name, None)
+        if isinstance(v, str) and v and os.path.isdir(v):
+            raise ValueError(f"{flag} {v} is a directory; give a file")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_args(args)
         return args.fn(args) or 0
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except OSError as e:  # missing files, directories given as files, permissions, disk full
+        where = f": {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"error: {e.strerror or _one_line(e)}{where}", file=sys.stderr)
+        return 1
+    except MemoryError as e:
+        print(f"error: out of memory ({_one_line(e) or 'allocation failed'}); try a smaller -c/--ctx-size "
+              "or model", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug: still one line (PYFAST_DEBUG=1 shows the traceback)
+        if os.environ.get("PYFAST_DEBUG"):
+            raise
+        print(f"error: internal error: {type(e).__name__}: {_one_line(e)} (PYFAST_DEBUG=1 for details)",
+              file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":
