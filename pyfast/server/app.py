@@ -45,6 +45,7 @@ from pyfast.server.schemas import (ChatCompletionRequest, CompletionRequest, Det
                                    TokenizeRequest)
 
 MAX_BODY_BYTES = Limits.max_body_bytes
+MAX_TOKENIZE_BYTES = 1 << 20  # /tokenize content (at least; more when a slot's context holds more)
 REPEAT_PENALTY_RANGE = (1e-4, 1e4)  # beyond these, logits / penalty overflows float32 or rounds to 0
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
@@ -316,6 +317,10 @@ class _API:
     async def tokenize(self, request: Request) -> Response:
         req: TokenizeRequest = await _parse(request, TokenizeRequest, self.limits)
         tok = self.engine.tokenizer
+        n = len(req.content.encode("utf-8", "surrogatepass"))
+        limit = max(MAX_TOKENIZE_BYTES, self.engine.n_ctx_slot * self.max_token_bytes)
+        if n > limit:  # tokenizing costs CPU in proportion (a 20 MB text took 46 s)
+            raise APIError(400, f"content: {n} bytes is more than /tokenize takes ({limit})", param="content")
         try:
             ids = await self._prepare(request, lambda _stop: tok.encode(req.content, req.add_special, req.parse_special))
         except (ValueError, TypeError) as e:

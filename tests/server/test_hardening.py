@@ -131,6 +131,15 @@ def test_huge_prompt_is_refused_before_tokenizing(c):
     assert c.get("/health").json()["status"] == "ok"
 
 
+def test_tokenize_is_bounded_too(c):
+    t0 = time.monotonic()
+    r = c.post("/tokenize", json={"content": "hello " * 3_500_000})
+    assert r.status_code == 400 and _err(r)["param"] == "content" and "bytes" in _err(r)["message"]
+    assert time.monotonic() - t0 < 5
+    assert c.post("/tokenize", json={"content": "hello " * 1000}).json()["tokens"][:2] == \
+        c.post("/tokenize", json={"content": "hello hello"}).json()["tokens"]
+
+
 def test_prompt_over_the_slot_by_tokens_is_still_a_400(c):
     r = c.post("/v1/completions", json={"prompt": "a b " * 800, "max_tokens": 1})  # ~1600 tokens > 1024
     assert r.status_code == 400 and _err(r)["code"] == "context_length_exceeded"
