@@ -19,6 +19,7 @@ probabilities on that slice as on the full vocabulary.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -234,6 +235,112 @@ def test_draft_mtp_two_token_distribution_matches_target():
     if exp[-1] < 5.0:
         obs, exp = obs[:-1], exp[:-1]
     assert len(obs) >= 20
+    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    p = chi2_sf(x, len(obs) - 1)
+    assert p > 0.001, f"chi-square {x:.1f} on {len(obs) - 1} dof: p = {p:.2e}"
+
+
+class _MixProposer:
+    """A test drafter over the target model itself. style "probs" (draft-model style): each draft
+    token is drawn from q = 0.6 p + 0.4 u, p being the target's own next-token distribution under
+    the request's sampler chain and u uniform over the 12 likeliest tokens of the raw logits, and
+    q goes with the draft (rejection sampling). style "fixed" (n-gram style): the second likeliest
+    token under p, no probabilities (row-by-row sampling)."""
+
+    name = "mix"
+
+    def __init__(self, model, params: SamplingParams, style: str):
+        self.ctx = Context(model, n_ctx=64, n_threads=1)
+        self.sampler = Sampler(params, model.n_vocab)
+        self.style = style
+        self.rng = np.random.default_rng(77)
+        self._rows: dict[tuple, np.ndarray] = {}
+
+    def row(self, hist) -> np.ndarray:
+        """The target's logits after ``hist`` (plain decoding, cached)."""
+        key = tuple(int(t) for t in hist)
+        r = self._rows.get(key)
+        if r is None:
+            self.ctx.clear()
+            r = self._rows[key] = self.ctx.decode(np.asarray(key, dtype=np.int32), seq_ids=0)[-1].copy()
+        return r
+
+    def draft(self, requests):
+        from pyfast.spec.base import Draft
+
+        out = []
+        for r in requests:
+            hist, toks, qs = list(r.tokens), [], []
+            for _ in range(r.n_max):
+                row = self.row(hist)
+                p = self.sampler.probs(row)
+                if self.style == "probs":
+                    u = np.zeros_like(p)
+                    u[np.argsort(-row, kind="stable")[:12]] = 1.0 / 12
+                    q = 0.6 * p + 0.4 * u
+                    d = int(self.rng.choice(q.size, p=q))
+                    qs.append(q)
+                else:
+                    d = int(np.argsort(-p, kind="stable")[1])
+                toks.append(d)
+                hist.append(d)
+            out.append(Draft(np.asarray(toks, dtype=np.int32), np.stack(qs) if qs else None))
+        return out
+
+
+@pytest.mark.parametrize("style", ["probs", "fixed"])
+def test_server_round_distribution_matches_target(style):
+    """The server's scheduler (``Engine.step``: the shared round with prompt chunks, prefix reuse
+    and checkpoints around it) samples the target's distribution when it verifies drafts: many
+    seeded 4-token requests on the tiny Qwen3.5 fixture, each drafting 2 tokens in its first
+    round; the first three emitted tokens (t1 plain, t2 and t3 from the round: accepted, recovered
+    at either position, or bonus) must follow p0(t1) * p1(t2 | t1) * p2(t3 | t1, t2)."""
+    from pyfast.models import Model
+    from pyfast.server.engine import Engine, EngineConfig, GenParams, Job
+    from pyfast.server.spec import SpecConfig as ServerSpec
+    from tests.models.test_hybrid_common import fixture
+
+    n = 6000
+    path, ref = fixture("qwen35")
+    model = Model(path)
+    prompt = ref["tokens_1"][:8].astype(np.int32).tolist()
+    params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+    prop = _MixProposer(model, params, style)
+    engine = Engine(EngineConfig(model=str(path), n_parallel=8, n_ctx=8 * 64, n_threads=1,
+                                 spec=ServerSpec(n_max=2)), proposers=[prop])
+    jobs = [Job(prompt, GenParams(max_tokens=4, sampling=dataclasses.replace(params, seed=i), ignore_eos=True))
+            for i in range(n)]
+    pending = list(jobs)
+    while pending or engine.n_busy or engine.n_waiting:
+        if pending and engine.n_waiting < 16:
+            engine.submit(pending[:16])
+            pending = pending[16:]
+        engine.step()
+    assert all(len(j.out) == 4 for j in jobs)
+    drafted = sum(j.stats.n_drafted for j in jobs)
+    accepted = sum(j.stats.n_accepted for j in jobs)
+    assert n * 2 <= drafted and 0.1 * drafted < accepted < 0.9 * drafted  # both branches, often
+
+    target = Sampler(params, model.n_vocab)
+    P0 = target.probs(prop.row(prompt))
+    expected: dict[tuple[int, int, int], float] = {}
+    for a in np.flatnonzero(P0):
+        P1 = target.probs(prop.row(prompt + [int(a)]))
+        for b in np.flatnonzero(P1):
+            P2 = target.probs(prop.row(prompt + [int(a), int(b)]))
+            for c in np.flatnonzero(P2):
+                expected[(int(a), int(b), int(c))] = n * P0[a] * P1[b] * P2[c]
+    counts: dict[tuple[int, int, int], int] = {}
+    for j in jobs:
+        key = tuple(j.out[:3])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(expected), "a token outside the target's kept set was emitted"
+    big = [c for c, e in expected.items() if e >= 5.0]
+    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    exp = [expected[c] for c in big] + [n - sum(expected[c] for c in big)]
+    if exp[-1] < 5.0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert len(obs) >= 50
     x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     p = chi2_sf(x, len(obs) - 1)
     assert p > 0.001, f"chi-square {x:.1f} on {len(obs) - 1} dof: p = {p:.2e}"
