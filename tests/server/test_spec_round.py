@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from pyfast.sampling import SamplingParams
 from tests.server.helpers import ThreadServer, metric, server_threads
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -134,3 +135,61 @@ def test_draft_mtp_sampling_equals_llm(hybrid_path):
     _compare(got, want)
     for s in engine.slots:  # every slot's record of its cache is exact
         assert engine.ctx.seq_len(s.id) == len(s.tokens)
+
+
+class Oracle:
+    """Drafts the reference greedy continuation of the one prompt it knows (all accepted)."""
+
+    name = "oracle"
+    default_n_max = 4
+
+    def __init__(self, prompt: list[int], cont: list[int]):
+        self.prompt, self.cont = prompt, cont
+
+    def draft(self, requests):
+        out = []
+        for r in requests:
+            done = len(r.tokens) - len(self.prompt)
+            ok = list(r.tokens[: len(self.prompt)]) == self.prompt
+            out.append(self.cont[done: done + r.n_max] if ok else None)
+        return out
+
+
+@pytest.mark.parametrize("name", ["smollm2", "hybrid"])
+def test_stop_inside_a_round_keeps_the_cache_exact(name, smollm2_path, hybrid_path, ref_llm, hybrid_llm):
+    """A stop string completed by a token in the middle of an accepted draft ends the request
+    there: the tokens after it leave the slot's cache (snapshot planes roll them back on the
+    hybrid model), so the cache holds exactly the prompt and the reply but its last token, and
+    the next turn reuses all of it."""
+    from pyfast.server.engine import Engine, EngineConfig, GenParams, Job
+    from pyfast.server.spec import SpecConfig as ServerSpec
+
+    path, llm = (smollm2_path, ref_llm) if name == "smollm2" else (hybrid_path, hybrid_llm)
+    prompt = llm.tokenize("Once upon a time, in a small village by the sea, there lived")
+    cont = llm.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True).tokens
+    # 1 plain token, then rounds of 4 drafted + 1 bonus: tokens 1-5, 6-10, ...; stop on token 7
+    stop = llm.detokenize(cont[:8])[len(llm.detokenize(cont[:6])):]
+    assert stop and stop not in llm.detokenize(cont[:6])
+    want = llm.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True, stop=stop)
+    assert want.finish_reason == "stop"
+
+    engine = Engine(EngineConfig(model=str(path), n_parallel=1, n_ctx=512, n_threads=server_threads(),
+                                 spec=ServerSpec(n_max=4)), proposers=[Oracle(prompt, cont)])
+
+    def run(p, **kw):
+        job = Job(p, GenParams(max_tokens=kw.get("max_tokens", 24), sampling=SamplingParams(temperature=0),
+                               stop=kw.get("stop", []), ignore_eos=True))
+        engine.submit([job])
+        while engine.step():
+            pass
+        return job
+
+    job = run(prompt, stop=[stop])
+    assert job.text == want.text and job.out == cont[:8]
+    assert job.stats.n_drafted >= 8 and job.stats.n_accepted == job.stats.n_drafted
+    slot = engine.slots[0]
+    assert slot.tokens == prompt + job.out[:-1] and engine.ctx.seq_len(0) == len(slot.tokens)
+    nxt = prompt + job.out + llm.tokenize(" and then")
+    job2 = run(nxt, max_tokens=6)
+    assert job2.stats.n_cached == len(prompt) + len(job.out) - 1
+    assert job2.out == llm.generate(nxt, max_tokens=6, temperature=0, ignore_eos=True, speculative=False).tokens
