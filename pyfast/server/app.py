@@ -638,10 +638,13 @@ class _Events:
             waits.add(self._exp_task)
         if extra is not None:
             waits.add(extra)
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this request's task is cancelled (the client went away)
+            if not get.done():
+                get.cancel()
+        if get in done and not get.cancelled():
             return get.result()
-        get.cancel()
         if extra is not None and extra in done:
             return extra
         return None
