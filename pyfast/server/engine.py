@@ -11,8 +11,8 @@ continuous-batching scheduler.
   decode and consumes the new tokens (stop strings, EOS, streaming, logprobs). The decode runs in
   the scheduler thread with the GIL released, so the asyncio event loop serving HTTP never waits
   on compute. Batch invariance makes each sequence's logits bit-identical to decoding it alone,
-  so served output equals ``LLM.generate``'s (greedy; sampled with the same seed, also with
-  speculation).
+  so served output equals ``LLM.generate``'s (greedy, or sampled with the same seed and the
+  same proposers).
 * **Prompt cache.** A slot keeps the tokens its sequence holds in the KV cache after a request.
   A new request goes to the free slot that can reuse the longest prefix of its prompt (least
   recently used among ties); the slot's sequence is truncated to that prefix and only the rest is
