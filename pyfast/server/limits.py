@@ -29,10 +29,11 @@ class Limits:
     max_prepare: int = 2              # requests rendering / tokenizing at once (CPU work off the loop)
 
     def validate(self) -> "Limits":
-        for name in ("body_timeout", "body_idle_timeout", "header_timeout"):
+        for name, flag in (("body_timeout", "--timeout"), ("body_idle_timeout", "body_idle_timeout"),
+                           ("header_timeout", "--header-timeout")):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v!r}")
+                raise ValueError(f"{flag} must be a positive number of seconds, got {v!r}")
         if not (isinstance(self.shutdown_timeout, (int, float)) and 0 <= self.shutdown_timeout < math.inf):
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
         if self.max_body_bytes < 1:

@@ -271,3 +271,16 @@ def test_sigterm_when_idle_exits_at_once(smollm2_path):
         s.proc.send_signal(signal.SIGTERM)
         s.proc.wait(30)
         assert time.monotonic() - t0 < 2.0 and s.proc.returncode in (0, -signal.SIGTERM)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--timeout", "0", "--timeout must be a positive number of seconds, got 0.0"),
+    ("--header-timeout", "-1", "--header-timeout must be a positive number of seconds, got -1.0"),
+    ("--shutdown-timeout", "-2", "--shutdown-timeout must be >= 0 seconds, got -2.0"),
+    ("--timeout", "nan", "--timeout must be a positive number of seconds, got nan"),
+])
+def test_limit_flags_are_checked(capsys, smollm2_path, flag, value, message):
+    from pyfast import cli
+
+    assert cli.main(["serve", "-m", str(smollm2_path), flag, value]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {message}"
