@@ -168,6 +168,7 @@ def create_app(engine: Engine, api_keys: list[str] | None = None, limits: Limits
         return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
     api = _API(engine, limits, drain)
+    app.state.api = api
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])

@@ -284,3 +284,46 @@ def test_limit_flags_are_checked(capsys, smollm2_path, flag, value, message):
 
     assert cli.main(["serve", "-m", str(smollm2_path), flag, value]) == 1
     assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_render_stops_when_the_client_goes(tmp_path):
+    """A slow template's render runs in a worker thread; when the client hangs up, the render
+    stops at its next operation instead of keeping a core busy until its time limit."""
+    pytest.importorskip("gguf")
+    from pyfast.server.app import create_app
+    from pyfast.server.engine import Engine, EngineConfig
+    from tests.fuzz.gguf_fuzz_worker import rewrite
+    from tests.reference.tiny_gguf import write_tiny_llama
+    from tests.server.helpers import ThreadServer
+
+    base = tmp_path / "t.gguf"
+    write_tiny_llama(base, n_vocab=64, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=32)
+    path = tmp_path / "slow.gguf"
+    rewrite(str(base), str(path), meta={"tokenizer.chat_template": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "string")})
+    engine = Engine(EngineConfig(model=str(path), n_parallel=1, n_ctx=64, n_threads=1))
+    engine.chat_template.time_limit = 60.0  # only the disconnect can stop it in time
+    app = create_app(engine)
+    with ThreadServer(app) as srv:
+        limiter = app.state.api.prepare_limiter
+        seen = []
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                seen.append(limiter.borrowed_tokens)
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]},
+                       timeout=0.5)
+        stop.set()
+        sampler.join()
+        assert max(seen) == 1  # the render was running when the client left
+        t0 = time.monotonic()
+        while limiter.borrowed_tokens and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert limiter.borrowed_tokens == 0
+        assert time.monotonic() - t0 < 2.0  # not the 60 s time limit
