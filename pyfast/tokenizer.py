@@ -215,9 +215,9 @@ def _opt_bool(md: Mapping, key: str) -> bool | None:
     v = md.get(key)
     if v is None:
         return None
-    if isinstance(v, (list, tuple)):
-        raise ValueError(f"GGUF metadata {key!r} must be a bool, got an array")
-    return bool(v)
+    if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+        return bool(v)
+    raise ValueError(f"GGUF metadata {key!r} = {v!r}: expected a bool")
 
 
 class Tokenizer:
@@ -285,14 +285,22 @@ class Tokenizer:
             if len(types) < n:
                 raise ValueError(
                     f"'tokenizer.ggml.token_type' has {len(types)} entries for {n} tokens")
-            types = [int(t) for t in types[:n]]
+            types = types[:n]
+            if not all(type(t) is int for t in types):
+                bad = next(i for i, t in enumerate(types) if type(t) is not int)
+                raise ValueError(f"GGUF metadata 'tokenizer.ggml.token_type'[{bad}] = {types[bad]!r}: expected an "
+                                 "integer token type")
 
         scores = _as_list(md, "tokenizer.ggml.scores", required=False)
         if scores is not None:
             if len(scores) < n:
                 raise ValueError(
                     f"'tokenizer.ggml.scores' has {len(scores)} entries for {n} tokens")
-            scores = [float(s) for s in scores[:n]]
+            scores = scores[:n]
+            if not all(type(x) is float or type(x) is int for x in scores):
+                bad = next(i for i, x in enumerate(scores) if not (type(x) is float or type(x) is int))
+                raise ValueError(f"GGUF metadata 'tokenizer.ggml.scores'[{bad}] = {scores[bad]!r}: expected a number")
+            scores = [float(x) for x in scores]
 
         self._tokens = tokens
         self._vocab = vocab

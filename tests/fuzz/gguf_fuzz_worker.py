@@ -220,7 +220,9 @@ def run_case(cmd: str, path: str, tmp: str) -> dict:
     elif cmd == "serve":
         import uvicorn
 
-        uvicorn.run = lambda *a, **k: None  # everything up to listening: flags, model, engine, app
+        # everything up to listening: flags, model, engine, app
+        uvicorn.run = lambda *a, **k: None
+        uvicorn.Server.run = lambda self, *a, **k: None
         rc, err = run_cli(["serve", *common, "-c", "64", "-np", "2", "--port", "18080"])
     else:
         raise ValueError(cmd)
