@@ -332,8 +332,12 @@ class _API:
 
     async def detokenize(self, request: Request) -> Response:
         req: DetokenizeRequest = await _parse(request, DetokenizeRequest, self.limits)
-        self._check_ids(req.tokens, "tokens")
-        return JSONResponse({"content": self.engine.tokenizer.decode(req.tokens)})
+
+        def decode(_stop) -> str:  # millions of ids take a while: not on the event loop
+            self._check_ids(req.tokens, "tokens")
+            return self.engine.tokenizer.decode(req.tokens)
+
+        return JSONResponse({"content": await self._prepare(request, decode)})
 
     # --- generation ------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> None:
