@@ -134,6 +134,9 @@ def deep(v: Any, limit: int = MAX_VALUE) -> int:
             total += x.bit_length() // 3 + 1
         elif isinstance(x, bytes):
             total += 4 * len(x)
+        elif isinstance(x, Namespace):  # str() shows its attributes
+            total += 32
+            stack.extend(object.__getattribute__(x, "_Namespace__attrs").values())
         else:
             total += 32
         if total > limit:
@@ -377,10 +380,29 @@ class _Harden(NodeTransformer):
         node.iter = nodes.Filter(node.iter, "_pyfast_iter", [], [], None, None, lineno=node.lineno)
         return node
 
+    def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
+        # jinja2 compiles x[a:b] as a plain subscript (no sandbox hook): make it a counted call
+        self.generic_visit(node)
+        if not isinstance(node.arg, nodes.Slice):
+            return node
+        sl = node.arg
+        args = [part if part is not None else nodes.Const(None) for part in (sl.start, sl.stop, sl.step)]
+        return nodes.Filter(node.node, "_pyfast_slice", args, [], None, None, lineno=node.lineno)
+
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         self.generic_visit(node)
         return nodes.Filter(nodes.List(node.nodes, lineno=node.lineno), "_pyfast_concat", [], [], None, None,
                             lineno=node.lineno)
+
+
+@jinja2.pass_context
+def _slice(context, value, start=None, stop=None, step=None):
+    """``value[start:stop:step]``, counted (a slice of a big string is a new big string)."""
+    _BUDGET.get().tick()
+    out = value[start:stop:step]
+    if out is not value:
+        _new(out, "slice")
+    return out
 
 
 def _concat(parts: list) -> str:
@@ -542,6 +564,7 @@ def make_env() -> ChatEnvironment:
     env.filters["_pyfast_iter"] = _ticking
     env.filters["_pyfast_concat"] = _concat
     env.filters["_pyfast_literal"] = _literal
+    env.filters["_pyfast_slice"] = _slice
     lipsum = env.globals.get("lipsum")
 
     def bounded_lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - jinja's names

@@ -54,6 +54,10 @@ HOSTILE = [
     ("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = ns.l + ['x' * 4000000] %}"
      "{% endfor %}{{ ns.l|length }}", "too large"),
     ("{% set ns = namespace(s='ab') %}{% for i in range(100) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "too large"),
+    # every frame of a deep recursion holding its own copy (a slice) of a big string
+    ("{% macro f(s, n) %}{% if n > 0 %}{{ f(s[1:], n - 1) }}{% endif %}{% endmacro %}{{ f('y' * 8000000, 900) }}",
+     "built more than"),
+    ("{% set ns = namespace(a='x' * 8000000, b='y' * 8000000, c='z' * 8000000) %}{{ ns }}", "too large"),
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% for i in range(100000) %}{{ 'x' * 1000 }}"
      "{% endfor %}", "too large"),
 ]
