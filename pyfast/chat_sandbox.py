@@ -412,6 +412,21 @@ def _concat(parts: list) -> str:
     return _new("".join(str(p) for p in parts), "~")
 
 
+def _join_output(pieces) -> str:
+    """What jinja2 joins captured output with (``{% set x %}...{% endset %}``, macro and call
+    bodies, filter blocks): the size is checked before the string is built."""
+    b = _BUDGET.get()
+    parts = []
+    size = 0
+    for p in pieces:
+        size += len(p) if p.isascii() else 4 * len(p)
+        if size > MAX_VALUE:
+            raise TemplateBudgetError(f"captured output too large (over {MAX_VALUE} bytes)")
+        parts.append(p)
+    b.tick()
+    return _new("".join(parts), "captured output")
+
+
 def _finalize(value: Any) -> Any:
     """Every ``{{ ... }}`` value, before it is turned into output text."""
     _BUDGET.get().tick()
@@ -443,6 +458,7 @@ class _BoundedNamespace(Namespace):
 
 class ChatEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
+    concat = staticmethod(_join_output)
 
     def _parse(self, source, name, filename):
         tree = _Harden().visit(super()._parse(source, name, filename))

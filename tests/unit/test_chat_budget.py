@@ -58,6 +58,11 @@ HOSTILE = [
     ("{% macro f(s, n) %}{% if n > 0 %}{{ f(s[1:], n - 1) }}{% endif %}{% endmacro %}{{ f('y' * 8000000, 900) }}",
      "built more than"),
     ("{% set ns = namespace(a='x' * 8000000, b='y' * 8000000, c='z' * 8000000) %}{{ ns }}", "too large"),
+    # output captured by a block set / a macro body is joined under the size check
+    ("{% set s = 'x' * 10000000 %}{% set x %}{% for i in range(1000) %}{{ s }}{% endfor %}{% endset %}{{ x|length }}",
+     "captured output too large"),
+    ("{% macro m() %}{% for i in range(100000) %}" + "literal text " * 100 + "{% endfor %}{% endmacro %}"
+     "{{ m()|length }}", "captured output too large"),
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% for i in range(100000) %}{{ 'x' * 1000 }}"
      "{% endfor %}", "too large"),
 ]
