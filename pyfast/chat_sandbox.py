@@ -41,7 +41,7 @@ from jinja2.utils import _PassArg
 from jinja2.visitor import NodeTransformer
 
 MAX_VALUE = 16 << 20        # bytes: any one string / container a template builds or stringifies
-MAX_ITEMS = 1 << 20         # items in a list / tuple / dict a template builds
+MAX_ITEMS = 1 << 18         # items in a list / tuple / dict a template builds (or pieces a string splits into)
 MAX_ALLOC = 64 << 20        # bytes built by template operations in one render (at least)
 MAX_INT_BITS = 1 << 16      # size of integers from * and **
 MAX_JSON_INDENT = 16
@@ -239,6 +239,16 @@ def _check_str_method(s: str, name: str, args: tuple, kwargs: dict) -> None:
         items = args[0]
         if hasattr(items, "__len__"):
             _check_len(deep(items) + len(s) * len(items), "str.join")
+    elif name in ("split", "rsplit", "splitlines") and len(s) > MAX_ITEMS:
+        sep = args[0] if args else kwargs.get("sep")
+        if name == "splitlines":
+            pieces = s.count("\n") + s.count("\r") + 1
+        elif isinstance(sep, str) and sep:
+            pieces = s.count(sep) + 1
+        else:
+            pieces = sum(s.count(c) for c in " \t\n\r\x0b\x0c") + 1
+        if pieces > MAX_ITEMS:
+            raise TemplateBudgetError(f"str.{name}: more than {MAX_ITEMS} pieces")
     elif name == "translate" and args and isinstance(args[0], dict):
         longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
         _check_len(len(s) * max(longest, 1), "str.translate")
@@ -280,11 +290,16 @@ def _pre_center(value, width=80, *a, **k):
 def _pre_indent(s, width=4, first=False, blank=False, *a, **k):
     pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
     s = str(s)
-    _check_len(len(s) + max(pad, 0) * (s.count("\n") + 1), "indent")
+    lines = s.count("\n") + s.count("\r") + 1
+    if lines > MAX_ITEMS:
+        raise TemplateBudgetError(f"indent: more than {MAX_ITEMS} lines")
+    _check_len(len(s) + max(pad, 0) * lines, "indent")
 
 
 def _pre_wordwrap(s, width=79, break_long_words=True, wrapstring=None, *a, **k):
     s = str(s)
+    if len(s) > MAX_ITEMS:  # textwrap splits the text into a list of words first
+        raise TemplateBudgetError(f"wordwrap: input longer than {MAX_ITEMS} characters")
     sep = len(wrapstring) if isinstance(wrapstring, str) else 1
     lines = s.count("\n") + 1 + (len(s) // width if isinstance(width, int) and width > 0 else len(s))
     _check_len(len(s) + sep * lines, "wordwrap")
@@ -318,11 +333,17 @@ def _pre_text(value, *a, **k):
     _check_text(value, "filter input")
 
 
+def _pre_words(value, *a, **k):
+    _check_text(value, "filter input")
+    if isinstance(value, str) and len(value) > MAX_ITEMS:  # split into words by a regex first
+        raise TemplateBudgetError(f"filter input longer than {MAX_ITEMS} characters")
+
+
 _PRE = {
     "center": _pre_center, "indent": _pre_indent, "wordwrap": _pre_wordwrap, "replace": _pre_replace,
     "format": _pre_format, "tojson": _pre_tojson, "batch": _pre_batch, "slice": _pre_slice,
-    "string": _pre_text, "pprint": _pre_text, "xmlattr": _pre_text, "urlencode": _pre_text, "urlize": _pre_text,
-    "e": _pre_text, "escape": _pre_text, "forceescape": _pre_text, "striptags": _pre_text, "title": _pre_text,
+    "string": _pre_text, "pprint": _pre_text, "xmlattr": _pre_text, "urlencode": _pre_text, "urlize": _pre_words,
+    "e": _pre_text, "escape": _pre_text, "forceescape": _pre_text, "striptags": _pre_words, "title": _pre_text,
     "upper": _pre_text, "lower": _pre_text, "capitalize": _pre_text, "trim": _pre_text, "truncate": _pre_text,
 }
 _MATERIALIZE = {"join", "list", "sum", "unique", "sort", "dictsort", "groupby", "reverse", "batch", "slice",
@@ -340,6 +361,8 @@ def _wrap_filter(name: str, f: Callable) -> Callable:
         b = _BUDGET.get()
         b.tick()
         lead, rest = args[:n_lead], list(args[n_lead:])
+        if rest and isinstance(rest[0], str) and len(rest[0]) > MAX_ITEMS and (name in _MATERIALIZE or name in _LAZY):
+            raise TemplateBudgetError(f"{name}: a string of more than {MAX_ITEMS} characters as a sequence")
         if rest and name in _MATERIALIZE and not isinstance(rest[0], (str, dict)):
             rest[0] = _materialize(rest[0], name)
         if name == "join" and rest:

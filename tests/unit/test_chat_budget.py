@@ -58,6 +58,12 @@ HOSTILE = [
     ("{% macro f(s, n) %}{% if n > 0 %}{{ f(s[1:], n - 1) }}{% endif %}{% endmacro %}{{ f('y' * 8000000, 900) }}",
      "built more than"),
     ("{% set ns = namespace(a='x' * 8000000, b='y' * 8000000, c='z' * 8000000) %}{{ ns }}", "too large"),
+    # a big string turned into many small objects
+    ("{{ ('x' * 10000000)|list|length }}", "as a sequence"),
+    ("{{ ('ab ' * 5000000).split()|length }}", "str.split: more than"),
+    ("{{ ('ab\n' * 5000000).splitlines()|length }}", "str.splitlines: more than"),
+    ("{{ ('ab\n' * 5000000)|indent(0)|length }}", "indent: more than"),
+    ("{{ ('ab ' * 5000000)|wordwrap(10)|length }}", "wordwrap: input longer"),
     # output captured by a block set / a macro body is joined under the size check
     ("{% set s = 'x' * 10000000 %}{% set x %}{% for i in range(1000) %}{{ s }}{% endfor %}{% endset %}{{ x|length }}",
      "captured output too large"),
