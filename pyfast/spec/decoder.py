@@ -315,9 +315,7 @@ class SpecDecoder:
         ``rnd.toks`` at ``rnd.pos`` of ``rnd.seqs`` (logits on every row; other rows may follow
         in the same decode) and hands the logits to ``end_round``."""
         ctx = self.ctx
-        if ctx.kv.free_cells(len(slots)) < len(slots):
-            raise KVCacheFull(f"KV cache is full: {ctx.n_ctx} cells, {ctx.kv.n_used} used, "
-                              f"{len(slots)} sequences to advance")
+        self._check_room(len(slots))
         t0 = time.perf_counter()
         drafts, winners, keys = self._draft(slots)
         t1 = time.perf_counter()
@@ -401,6 +399,7 @@ class SpecDecoder:
         its accepted draft tokens followed by one recovered or bonus token."""
         ctx = self.ctx
         if len(slots) == 1 and ctx.rec is None and not ctx.export_hidden:
+            self._check_room(1)
             return [self._step_one(slots[0])]
         rnd = self.begin_round(slots)
         if len(slots) == 1:  # one sequence of a recurrent model (KV-only ones take _step_one)
@@ -412,6 +411,13 @@ class SpecDecoder:
         else:
             logits = ctx.decode(rnd.toks, positions=rnd.pos, seq_ids=rnd.seqs, logits="all")
         return self.end_round(rnd, logits)
+
+    def _check_room(self, n: int) -> None:
+        """KVCacheFull unless the cache has a cell for each of n sequences' next token."""
+        kv = self.ctx.kv
+        if kv.free_cells(n) < n:
+            raise KVCacheFull(f"KV cache is full: {self.ctx.n_ctx} cells, {kv.n_used} used, "
+                              f"{n} sequences to advance")
 
     def _verify(self, s: Slot, d: Draft | None, w: Proposer | None, rows: np.ndarray, argmax,
                 take: Take | None, on_error) -> tuple[list[int], int]:
