@@ -155,11 +155,12 @@ class Oracle:
         return out
 
 
-@pytest.mark.parametrize("name", ["smollm2", "hybrid"])
+@pytest.mark.parametrize("name", ["smollm2", "hybrid", "hybrid-replay"])
 def test_stop_inside_a_round_keeps_the_cache_exact(name, smollm2_path, hybrid_path, ref_llm, hybrid_llm):
     """A stop string completed by a token in the middle of an accepted draft ends the request
     there: the tokens after it leave the slot's cache (snapshot planes roll them back on the
-    hybrid model), so the cache holds exactly the prompt and the reply but its last token, and
+    hybrid model; with one plane, the state saved before the round is restored and the kept
+    tokens replayed), so the cache holds exactly the prompt and the reply but its last token, and
     the next turn reuses all of it."""
     from pyfast.server.engine import Engine, EngineConfig, GenParams, Job
     from pyfast.server.spec import SpecConfig as ServerSpec
@@ -174,7 +175,8 @@ def test_stop_inside_a_round_keeps_the_cache_exact(name, smollm2_path, hybrid_pa
     assert want.finish_reason == "stop"
 
     engine = Engine(EngineConfig(model=str(path), n_parallel=1, n_ctx=512, n_threads=server_threads(),
-                                 spec=ServerSpec(n_max=4)), proposers=[Oracle(prompt, cont)])
+                                 spec=ServerSpec(n_max=4), n_rollback=1 if name == "hybrid-replay" else None),
+                    proposers=[Oracle(prompt, cont)])
 
     def run(p, **kw):
         job = Job(p, GenParams(max_tokens=kw.get("max_tokens", 24), sampling=SamplingParams(temperature=0),
@@ -189,6 +191,9 @@ def test_stop_inside_a_round_keeps_the_cache_exact(name, smollm2_path, hybrid_pa
     assert job.stats.n_drafted >= 8 and job.stats.n_accepted == job.stats.n_drafted
     slot = engine.slots[0]
     assert slot.tokens == prompt + job.out[:-1] and engine.ctx.seq_len(0) == len(slot.tokens)
+    restores = engine.metrics.spec_state_restores.value()
+    assert restores == (1 if name == "hybrid-replay" else 0)  # only the stop's round rolls back
+    assert engine.metrics.spec_replayed_tokens.value() == 2 * restores  # its id_last and one draft token
     nxt = prompt + job.out + llm.tokenize(" and then")
     job2 = run(nxt, max_tokens=6)
     assert job2.stats.n_cached == len(prompt) + len(job.out) - 1
