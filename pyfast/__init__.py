@@ -3,7 +3,7 @@
 Public API (imported lazily so that pure-Python pieces such as the tokenizer load without the
 native extension):
 
-    LLM, SamplingParams, GenerationResult, load
+    LLM, SamplingParams, GenerationResult, load, devices
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ _LAZY = {
     "ChatTemplate": "pyfast.chat",
     "Context": "pyfast.context",
     "SpecConfig": "pyfast.spec.config",
+    "devices": "pyfast.device",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -69,16 +69,19 @@ def read_bandwidth_gbs(n_threads: int, nbytes: int = 256 << 20) -> float:
 
 
 def run_bench(model_path: str, pp: list[int], tg: list[int], threads: list[int], reps: int = 3,
-              n_ctx: int = 2048, bandwidth: bool = True) -> list[BenchResult]:
+              n_ctx: int = 2048, bandwidth: bool = True, device: str | None = None) -> list[BenchResult]:
+    """device: run there ("vulkan:0"); the bandwidth bound is then the host's and is not printed."""
     from pyfast._loader import native
+    from pyfast.device import open_device
 
-    model = Model(model_path)
+    dev = open_device(device)
+    model = Model(model_path, mmap=True) if dev is not None else Model(model_path)
     size = sum(i.nbytes for i in model.weights.info.values())
     n_params = sum(int(np.prod(i.shape)) for i in model.weights.info.values())
     results = []
     for nt in threads:
-        ctx = Context(model, n_ctx=max(n_ctx, max(pp + tg, default=0) + 1), n_threads=nt)
-        bw = read_bandwidth_gbs(nt) if bandwidth and any(n > 0 for n in tg) else None
+        ctx = Context(model, n_ctx=max(n_ctx, max(pp + tg, default=0) + 1), n_threads=nt, device=dev)
+        bw = read_bandwidth_gbs(nt) if bandwidth and dev is None and any(n > 0 for n in tg) else None
         for kind, sizes, fn in (("pp", pp, bench_pp), ("tg", tg, bench_tg)):
             for n in sizes:
                 if n <= 0:
@@ -89,7 +92,7 @@ def run_bench(model_path: str, pp: list[int], tg: list[int], threads: list[int],
                 frac = size * med / (bw * 1e9) if (kind == "tg" and bw) else None
                 results.append(BenchResult(
                     model=model.name, size_mib=size / 2**20, n_params=n_params,
-                    backend=f"CPU ({native.cpu_isa()})", threads=nt, test=f"{kind}{n}", n_tokens=n,
+                    backend=f"CPU ({native.cpu_isa()})" if dev is None else dev.name, threads=nt, test=f"{kind}{n}", n_tokens=n,
                     tps_median=med,
                     tps_stdev=statistics.stdev(samples) if len(samples) > 1 else 0.0, samples=samples,
                     read_gbs=bw if kind == "tg" else None, bw_fraction=frac))

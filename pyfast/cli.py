@@ -13,6 +13,13 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens")
     add_cache_type_arguments(p)
     add_control_vector_arguments(p)
+    add_device_argument(p)
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """--device (generate, chat, perplexity, bench, serve)."""
+    p.add_argument("--device", default=None, metavar="NAME",
+                   help="where the model runs: cpu (default) or a device from `pyfast devices`, e.g. vulkan:0")
 
 
 def add_control_vector_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,7 +106,7 @@ def _load(a):
 
     spec = _spec_config(a)  # checked before the model loads
     return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec,
-               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, **control_vector_kwargs(a))
+               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a))
 
 
 def _print_timings(res) -> None:
@@ -170,7 +177,7 @@ def cmd_perplexity(a) -> int:
     with open(a.file, encoding="utf-8") as f:
         text = f.read()
     llm = LLM(a.model, n_ctx=max(a.ctx_size, 512), n_threads=a.threads, verbose=True,
-              cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, **control_vector_kwargs(a))
+              cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a))
     res = llm.perplexity(text, n_ctx=a.ctx_size)
     print(f"chunks: {res.n_chunks}, scored tokens: {res.n_scored}")
     print(f"PPL = {res.ppl:.4f}")
@@ -182,6 +189,18 @@ def cmd_info(a) -> int:
     from pyfast.hub import resolve_model
 
     print(describe(str(resolve_model(a.model_path))))
+    return 0
+
+
+def cmd_devices(a) -> int:
+    from pyfast._loader import native
+
+    for d in native.devices():
+        mem = f"{d['memory_bytes'] / 2**30:.1f} GiB" if d["memory_bytes"] else ""
+        print(f"{d['name']:<10} {d['description']}" + (f"  ({mem})" if mem else ""))
+    for b in native.backends():
+        if b["unavailable"]:
+            print(f"{b['kind']}: {b['unavailable']}")
     return 0
 
 
@@ -212,7 +231,8 @@ def cmd_bench(a) -> int:
         return _bench_spec(a, threads, ints(a.n_gen)[0] if a.n_gen else 256)
     if a.n_gen is None:
         a.n_gen = "128"
-    res = run_bench(str(resolve_model(a.model)), ints(a.n_prompt), ints(a.n_gen), threads, reps=a.repetitions)
+    res = run_bench(str(resolve_model(a.model)), ints(a.n_prompt), ints(a.n_gen), threads, reps=a.repetitions,
+                    device=a.device)
     print(format_results(res, a.output))
     return 0
 
@@ -291,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=int, default=512)
     add_cache_type_arguments(p)
     add_control_vector_arguments(p)
+    add_device_argument(p)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.set_defaults(fn=cmd_perplexity)
 
@@ -314,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", dest="ctx_size_spec", type=int, default=2048,
                    help="context size for --spec")
     _add_spec(p, bench=True)
+    add_device_argument(p)
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
@@ -321,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(p)
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("devices", help="list the devices models can run on (--device NAME)")
+    p.set_defaults(fn=cmd_devices)
 
     p = sub.add_parser("info", help="print a GGUF file's metadata and tensor table")
     p.add_argument("model_path", nargs="?", default=None)

@@ -50,12 +50,15 @@ class Context:
                    that consume it (MTP). Off by default; costs nothing when off.
     kv_dtype, kv_dtype_v: how K and V rows are stored ("f16" default, "f32", "q8_0"; V as K
                    unless given). Q8_0 halves the cache and the bytes attention reads.
+    device:        "cpu" (default), "vulkan:0", ... or an opened native Device: the plans run
+                   there (nodes it lacks on the CPU) and the KV cache and recurrent state live
+                   in its memory.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
                  n_ubatch: int = 512, kv_dtype: "native.DType | str" = native.DType.F16, max_plans: int = 12,
                  n_seq_max: int = 4, n_rollback: int = 0, export_hidden: bool = False,
-                 kv_dtype_v: "native.DType | str | None" = None):
+                 kv_dtype_v: "native.DType | str | None" = None, device=None):
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         if n_ubatch < 1:
@@ -68,6 +71,9 @@ class Context:
             raise ValueError(f"n_rollback must be >= 0, got {n_rollback}")
         if export_hidden and not model.supports_hidden:
             raise ValueError(f"export_hidden: architecture {model.arch.ARCH!r} does not export hidden rows")
+        from pyfast.device import open_device
+
+        self.device = open_device(device)
         self.model = model
         self.n_ctx = n_ctx
         self.n_threads = n_threads or default_threads()
@@ -82,12 +88,13 @@ class Context:
                 raise ValueError(f"n_ubatch ({n_ubatch}) must be >= n_rollback + 1 ({n_rollback + 1}): a "
                                  f"sequence's last n_rollback + 1 tokens of a batch must fit in one micro-batch")
             self.kv = KVCache(len(spec.attn_layers), n_ctx, spec.n_head_kv, spec.head_dim, kv_dtype, spec.head_dim_v,
-                              dtype_v=kv_dtype_v)
-            self.rec = RecurrentMemory(len(spec.recurrent_layers), spec.recurrent, n_seq_max, n_rollback)
+                              dtype_v=kv_dtype_v, device=self.device)
+            self.rec = RecurrentMemory(len(spec.recurrent_layers), spec.recurrent, n_seq_max, n_rollback,
+                                       device=self.device)
             self.memory: KVCache | HybridMemory = HybridMemory(self.kv, self.rec)
         else:
             n_layer, n_head_kv, head_dim = model.kv_geometry()
-            self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype, dtype_v=kv_dtype_v)
+            self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype, dtype_v=kv_dtype_v, device=self.device)
             self.memory = self.kv
         self.n_seq_max, self.n_rollback = n_seq_max, n_rollback
         self._plans: OrderedDict[tuple, object] = OrderedDict()
@@ -117,7 +124,7 @@ class Context:
                 b = self.model.build(shape, self.kv)
             else:
                 b = self.model.build(shape, self.kv, rec=self.rec, export_hidden=self.export_hidden)
-            plan = native.Plan(b.g, self.pool)
+            plan = native.Plan(b.g, self.pool, self.device)
             self.n_plan_builds += 1
             self._plans[key] = plan
             while len(self._plans) > self.max_plans:

@@ -104,21 +104,28 @@ class LLM:
     --control-vector): paths (strength 1) or (path, strength) pairs, summed; or a
     ``pyfast.control_vector.ControlVector``. control_vector_layer_range: (first, last) layer whose
     output gets its direction, inclusive (default 1 .. n_layer).
+    device: where the model runs: "cpu" (default) or a device from ``pyfast.devices()`` such as
+    "vulkan:0". The weights are uploaded to it once and the KV cache and recurrent state live in
+    its memory; ops it has no kernel for run on the CPU. A device that does not exist is a
+    ValueError naming it.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096,
                  n_threads: int | None = None, n_ubatch: int = 512, verbose: bool = False,
                  speculative: SpecConfig | None = None, n_seq_max: int = 4, cache_type_k: str = "f16",
                  cache_type_v: str | None = None, control_vectors=None,
-                 control_vector_layer_range: tuple[int, int] | None = None):
+                 control_vector_layer_range: tuple[int, int] | None = None, device: str | None = None):
         from pyfast.chat import ChatTemplate
+        from pyfast.device import open_device
         from pyfast.hub import resolve_model
         from pyfast.tokenizer import Tokenizer
 
         cvec = _control_vector(control_vectors, control_vector_layer_range)  # bad files fail before loading
+        dev = open_device(device)  # a missing device fails before the model loads
         path = resolve_model(None if model is None else str(model), quiet=not verbose)
         self.model_path = str(path)
-        self.model = Model(path)
+        # on a device the weights are uploaded from the file mapping (no host copy is kept)
+        self.model = Model(path, mmap=True) if dev is not None else Model(path)
         if cvec is not None:
             self.model.set_control_vector(cvec, *(control_vector_layer_range or (None, None)))
         self.tokenizer = Tokenizer.from_gguf_metadata(self.model.metadata)
@@ -138,7 +145,7 @@ class LLM:
 
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=max(n_ubatch, n_rollback + 1),
                            n_seq_max=n_seq_max, n_rollback=n_rollback, export_hidden=needs_hidden(props),
-                           kv_dtype=cache_type_k, kv_dtype_v=cache_type_v)
+                           kv_dtype=cache_type_k, kv_dtype_v=cache_type_v, device=dev)
         self._cached: list[int] = []  # tokens of sequence 0 currently in the cache
         self.speculative = speculative
         self._spec = None        # SpecDecoder with the configured proposers

@@ -54,3 +54,12 @@ def available_isas() -> list[str]:
 
     best = native.cpu_best_isa()
     return ["scalar"] if best == "scalar" else ["scalar", best]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Device op cases that fell back to the CPU (tests/ops/test_devices.py), counted per device."""
+    mod = sys.modules.get("tests.ops.test_devices") or sys.modules.get("ops.test_devices")
+    skipped = getattr(mod, "SKIPPED", None)
+    if skipped:
+        for dev, n in sorted(skipped.items()):
+            terminalreporter.write_line(f"device op harness: {dev}: {n} case(s) skipped (op not on the device)")

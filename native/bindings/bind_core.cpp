@@ -15,6 +15,7 @@
 #include "pyfast/cpu.h"
 #include "cpu/kernels/vexp.h"
 #include "pyfast/threadpool.h"
+#include "pyfast/backend.h"
 
 namespace py = pybind11;
 using namespace pyfast;
@@ -86,6 +87,7 @@ struct HostBuffer {
     data = static_cast<uint8_t*>(p);
   }
   ~HostBuffer() {
+    if (device) device->unbind_host(data);
 #if defined(__unix__) || defined(__APPLE__)
     if (mapped) {
       munmap(data, nbytes ? nbytes : 64);
@@ -101,9 +103,21 @@ struct HostBuffer {
 #endif
     std::memset(data, 0, nbytes);
   }
+  // On a device: the device copy (authoritative; graphs read and write it) of these bytes.
+  void attach(std::shared_ptr<Backend> dev) {
+    dbuf = dev->alloc(nbytes);
+    dev->bind_host(data, nbytes, dbuf);
+    device = std::move(dev);
+  }
+  void check_range(size_t off, size_t& n, const char* what) const {
+    if (n == (size_t)-1) n = off <= nbytes ? nbytes - off : 0;
+    if (off > nbytes || n > nbytes - off) throw std::out_of_range(std::string("Buffer.") + what + ": range out of bounds");
+  }
   uint8_t* data = nullptr;
   size_t nbytes = 0;
   bool mapped = false;
+  std::shared_ptr<Backend> device;
+  std::shared_ptr<DeviceBuffer> dbuf;
 };
 
 // How many tokens ending at index a equal those ending at index b (at most m; the prompt-lookup
@@ -326,12 +340,40 @@ void bind_core(py::module_& m) {
 
   py::class_<HostBuffer, std::shared_ptr<HostBuffer>>(m, "Buffer", py::buffer_protocol(),
                                                      "Zeroed, 64-byte aligned host memory (KV caches, states, weights read into memory).")
-      .def(py::init<size_t, bool>(), py::arg("nbytes"), py::arg("huge_pages") = false)
+      .def(py::init([](size_t n, bool huge, std::shared_ptr<Backend> dev) {
+        auto b = std::make_shared<HostBuffer>(n, huge);
+        if (dev) b->attach(std::move(dev));
+        return b;
+      }), py::arg("nbytes"), py::arg("huge_pages") = false, py::arg("device") = nullptr,
+         "device: also keep a copy in that device's memory, which graphs on the device read and write "
+         "(the host bytes are then a mirror: to_host / to_device copy explicitly).")
       .def_readonly("nbytes", &HostBuffer::nbytes)
-      .def("zero", &HostBuffer::zero)
+      .def_property_readonly("device", [](const HostBuffer& b) -> py::object {
+        return b.device ? py::str(b.device->info().name) : py::object(py::none());
+      })
+      .def("zero", [](HostBuffer& b) {
+        b.zero();
+        if (b.dbuf) b.dbuf->zero(0, b.nbytes);
+      }, "Zero the bytes (and the device copy).")
+      .def("to_host", [](HostBuffer& b, size_t off, size_t n) {
+        b.check_range(off, n, "to_host");
+        if (b.dbuf) {
+          py::gil_scoped_release rel;
+          b.dbuf->read(off, b.data + off, n);
+        }
+      }, py::arg("offset") = 0, py::arg("nbytes") = (size_t)-1, "Copy the device copy's bytes into host memory (no-op on the CPU).")
+      .def("to_device", [](HostBuffer& b, size_t off, size_t n) {
+        b.check_range(off, n, "to_device");
+        if (b.dbuf) {
+          py::gil_scoped_release rel;
+          b.dbuf->write(off, b.data + off, n);
+        }
+      }, py::arg("offset") = 0, py::arg("nbytes") = (size_t)-1, "Copy host bytes to the device copy (no-op on the CPU).")
       .def("copy_from", [](HostBuffer& b, const HostBuffer& o, size_t dst_off, size_t src_off, size_t n) {
         if (dst_off + n > b.nbytes || src_off + n > o.nbytes) throw std::out_of_range("Buffer.copy_from: range out of bounds");
+        if (o.dbuf) o.dbuf->read(src_off, o.data + src_off, n);
         std::memmove(b.data + dst_off, o.data + src_off, n);
+        if (b.dbuf) b.dbuf->write(dst_off, b.data + dst_off, n);
       }, py::arg("other"), py::arg("dst_offset"), py::arg("src_offset"), py::arg("nbytes"))
       .def_buffer([](HostBuffer& b) {
         return py::buffer_info(b.data, 1, py::format_descriptor<uint8_t>::format(), 1, {(py::ssize_t)b.nbytes}, {1});

@@ -183,11 +183,24 @@ void bind_graph(py::module_& m) {
            py::arg("tensor"), py::arg("name"), "Mark a tensor as a named output of the graph.");
 
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan", "A compiled graph, replayed with new inputs.")
-      .def(py::init([](G g, std::shared_ptr<ThreadPool> pool) {
+      .def(py::init([](G g, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Backend> device) {
         if (g->compiled) throw std::invalid_argument("[plan] graph is already compiled");
         g->compiled = true;
-        return std::make_shared<Plan>(g->g, pool);
-      }), py::arg("graph"), py::arg("pool"), py::keep_alive<1, 2>())
+        py::gil_scoped_release rel;
+        return std::make_shared<Plan>(g->g, pool, device);
+      }), py::arg("graph"), py::arg("pool"), py::arg("device") = nullptr, py::keep_alive<1, 2>(),
+         "Compile a graph. device: an opened Device (open_device); None runs on the CPU.")
+      .def_property_readonly("device_steps", [](const Plan& p) -> py::object {
+        const DevicePlan* d = p.device_plan();
+        if (!d) return py::none();
+        py::dict o;
+        o["device_nodes"] = d->n_device_nodes;
+        o["host_nodes"] = d->n_host_nodes;
+        o["copies"] = d->n_copies;
+        o["steps"] = d->describe();
+        return o;
+      }, "For a device plan: how many kernels run on the device and on the CPU, the copies per run, and "
+         "the step listing; None on the CPU.")
       .def("set_input", [](Plan& p, const std::string& name, py::array arr) {
         Node& n = p.input(name);
         py::array c = py::array::ensure(arr, py::array::c_style);

@@ -8,4 +8,5 @@ void bind_core(pybind11::module_& m);   // dtypes, cpu features / isa, buffers
 void bind_graph(pybind11::module_& m);  // Graph, Tensor handles, Plan
 void bind_gguf(pybind11::module_& m);   // GGUFFile reader
 void bind_quant(pybind11::module_& m);  // tensor quantization (pyfast quantize)
+void bind_device(pybind11::module_& m); // devices (backends)
 }  // namespace pyfast_py

@@ -6,4 +6,5 @@ PYBIND11_MODULE(_native, m) {
   pyfast_py::bind_graph(m);
   pyfast_py::bind_gguf(m);
   pyfast_py::bind_quant(m);
+  pyfast_py::bind_device(m);
 }

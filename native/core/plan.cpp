@@ -16,14 +16,15 @@
 #include <stdexcept>
 #include <vector>
 
+#include "core/arena.h"
 #include "pyfast/cpu.h"
 
 namespace pyfast {
 
 namespace {
 
-constexpr size_t kAlign = 64;
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+using arena::kAlign;
+using arena::align_up;
 
 uint8_t* alloc_aligned(size_t n) {
   void* p = nullptr;
@@ -31,45 +32,6 @@ uint8_t* alloc_aligned(size_t n) {
   std::memset(p, 0, n ? align_up(n) : kAlign);
   return static_cast<uint8_t*>(p);
 }
-
-// First-fit offset allocator over a virtual arena; records the high-water mark.
-class ArenaAllocator {
- public:
-  size_t alloc(size_t n) {
-    n = align_up(n);
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->second >= n) {
-        const size_t off = it->first, sz = it->second;
-        free_.erase(it);
-        if (sz > n) free_[off + n] = sz - n;
-        return off;
-      }
-    }
-    // Grow at the end (merging with a trailing free block if there is one).
-    size_t off = top_;
-    if (!free_.empty()) {
-      auto last = std::prev(free_.end());
-      if (last->first + last->second == top_) { off = last->first; free_.erase(last); }
-    }
-    top_ = std::max(top_, off + n);
-    return off;
-  }
-  void release(size_t off, size_t n) {
-    n = align_up(n);
-    auto it = free_.emplace(off, n).first;
-    auto next = std::next(it);
-    if (next != free_.end() && it->first + it->second == next->first) { it->second += next->second; free_.erase(next); }
-    if (it != free_.begin()) {
-      auto prev = std::prev(it);
-      if (prev->first + prev->second == it->first) { prev->second += it->second; free_.erase(it); }
-    }
-  }
-  size_t high_water() const { return top_; }
-
- private:
-  std::map<size_t, size_t> free_;
-  size_t top_ = 0;
-};
 
 // Op profile (environment variable PYFAST_PROFILE=1): the time each op's kernel shares took,
 // summed over threads, and the time threads waited for each other between groups; printed to
@@ -107,6 +69,34 @@ struct OpProfile {
 OpProfile g_profile;
 
 }  // namespace
+
+Liveness liveness(const Graph& g) {
+  const auto& nodes = g.nodes();
+  const int n = (int)nodes.size();
+  Liveness lv;
+  // Memory root of each node (views and in-place ops alias their source).
+  lv.root.resize(n);
+  for (int i = 0; i < n; ++i) lv.root[i] = nodes[i].view_src >= 0 ? lv.root[nodes[i].view_src] : i;
+  // Only nodes the outputs depend on are run.
+  lv.needed.assign(n, 0);
+  for (auto& o : g.outputs()) lv.needed[o.second] = 1;
+  for (int i = n - 1; i >= 0; --i) {
+    if (!lv.needed[i]) continue;
+    const Node& nd = nodes[i];
+    for (int s = 0; s < nd.n_src; ++s) lv.needed[nd.src[s]] = 1;
+    if (nd.view_src >= 0) lv.needed[nd.view_src] = 1;
+  }
+  // Last use of each memory root (outputs live to the end).
+  lv.last_use.assign(n, -1);
+  for (int i = 0; i < n; ++i) {
+    if (!lv.needed[i]) continue;
+    lv.last_use[lv.root[i]] = std::max(lv.last_use[lv.root[i]], i);
+    const Node& nd = nodes[i];
+    for (int s = 0; s < nd.n_src; ++s) lv.last_use[lv.root[nd.src[s]]] = std::max(lv.last_use[lv.root[nd.src[s]]], i);
+  }
+  for (auto& o : g.outputs()) lv.last_use[lv.root[o.second]] = n;
+  return lv;
+}
 
 bool cpu_matmul_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/matmul.cpp
 bool cpu_argmax_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/elementwise.cpp
@@ -166,40 +156,27 @@ Sched sched_at(uint8_t* base, size_t n_exec) {
 
 }  // namespace
 
-Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool)
-    : graph_(std::move(graph)), pool_(std::move(pool)) {
+Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Backend> backend)
+    : graph_(std::move(graph)), pool_(std::move(pool)), backend_(std::move(backend)) {
   auto& nodes = graph_->nodes();
   const int n = (int)nodes.size();
   if (graph_->outputs().empty()) throw std::invalid_argument("[plan] graph has no outputs");
-
-  // Memory root of each node (views and in-place ops alias their source).
-  std::vector<int> root(n);
-  for (int i = 0; i < n; ++i) root[i] = nodes[i].view_src >= 0 ? root[nodes[i].view_src] : i;
-
-  // Only nodes the outputs depend on are run.
-  std::vector<char> needed(n, 0);
-  for (auto& o : graph_->outputs()) needed[o.second] = 1;
-  for (int i = n - 1; i >= 0; --i) {
-    if (!needed[i]) continue;
-    const Node& nd = nodes[i];
-    for (int s = 0; s < nd.n_src; ++s) needed[nd.src[s]] = 1;
-    if (nd.view_src >= 0) needed[nd.view_src] = 1;
+  if (backend_) {
+    dev_ = backend_->compile(*graph_, pool_);
+    for (auto& i : graph_->inputs()) in_[i.first] = i.second;
+    for (auto& o : graph_->outputs()) out_[o.first] = o.second;
+    return;
   }
 
-  // Last use of each memory root (outputs live to the end).
-  std::vector<int> last_use(n, -1);
-  for (int i = 0; i < n; ++i) {
-    if (!needed[i]) continue;
-    last_use[root[i]] = std::max(last_use[root[i]], i);
-    const Node& nd = nodes[i];
-    for (int s = 0; s < nd.n_src; ++s) last_use[root[nd.src[s]]] = std::max(last_use[root[nd.src[s]]], i);
-  }
-  for (auto& o : graph_->outputs()) last_use[root[o.second]] = n;
+  const Liveness lv = liveness(*graph_);
+  const std::vector<int>& root = lv.root;
+  const std::vector<char>& needed = lv.needed;
+  const std::vector<int>& last_use = lv.last_use;
 
   // Inputs get their own persistent allocations; intermediates share the arena.
   std::vector<size_t> offset(n, 0);
   std::vector<std::vector<int>> frees_at(n + 1);
-  ArenaAllocator arena;
+  arena::Allocator arena;
   for (int i = 0; i < n; ++i) {
     Node& nd = nodes[i];
     if (nd.kind == NodeKind::input) {
@@ -362,6 +339,10 @@ const Node& Plan::output(const std::string& name) const {
 // next group cannot make the others stop early). A kernel with internal barriers must throw on
 // all threads or none, before its first barrier.
 void Plan::run() {
+  if (dev_) {
+    dev_->run();
+    return;
+  }
   auto& nodes = graph_->nodes();
   const CpuIsa isa = cpu_isa();
   const int nth = pool_ ? pool_->size() : 1;

@@ -67,7 +67,9 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int,
                  dtype: "native.DType" = native.DType.F16, head_dim_v: int | None = None,
-                 dtype_v: "native.DType | None" = None):
+                 dtype_v: "native.DType | None" = None, device=None):
+        """device: an opened native Device; the rows then live in its memory (graphs on that device
+        read and write them there) and save / restore copy them explicitly."""
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         self.n_layer = n_layer
@@ -86,8 +88,9 @@ class KVCache:
         self.v_row_bytes = native.dtype_row_size(self.dtype_v, self.head_dim_v)
         self.k_layer_bytes = n_head_kv * n_ctx * self.k_row_bytes
         self.v_layer_bytes = n_head_kv * n_ctx * self.v_row_bytes
-        self.k = native.Buffer(n_layer * self.k_layer_bytes)
-        self.v = native.Buffer(n_layer * self.v_layer_bytes)
+        self.device = device
+        self.k = native.Buffer(n_layer * self.k_layer_bytes, device=device)
+        self.v = native.Buffer(n_layer * self.v_layer_bytes, device=device)
         self.cell_pos = np.full(n_ctx, -1, dtype=np.int32)
         self.cell_seq = np.full(n_ctx, -1, dtype=np.int32)
         self._used_top = 0  # one past the highest used cell
@@ -149,6 +152,9 @@ class KVCache:
         cells = np.flatnonzero(self.cell_seq[: self._used_top] == seq)
         cells = cells[np.argsort(self.cell_pos[cells], kind="stable")]
         n = cells.size
+        if self.device is not None:  # the device holds the rows
+            self.k.to_host()
+            self.v.to_host()
         # [n_layer, head, cell, bytes] -> [n_layer, cell, head * bytes]: a cell's heads side by side
         H = self.n_head_kv
         k = self._rows(self.k, self.k_row_bytes)[:, :, cells].transpose(0, 2, 1, 3).reshape(
@@ -175,8 +181,14 @@ class KVCache:
         self.cell_seq[mine] = -1
         idx = free[:n]
         H = self.n_head_kv
+        if self.device is not None:  # bring the other rows up to date before writing them all back
+            self.k.to_host()
+            self.v.to_host()
         kr[:, :, idx] = rows.k.reshape(self.n_layer, n, H, self.k_row_bytes).transpose(0, 2, 1, 3)
         vr[:, :, idx] = rows.v.reshape(self.n_layer, n, H, self.v_row_bytes).transpose(0, 2, 1, 3)
+        if self.device is not None:
+            self.k.to_device()
+            self.v.to_device()
         self.cell_pos[idx] = rows.pos
         self.cell_seq[idx] = seq
         if n:

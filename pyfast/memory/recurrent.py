@@ -66,7 +66,9 @@ class RecurrentState:
 class RecurrentMemory:
     """Conv and GDN state planes for ``n_layer`` recurrent layers and ``n_slot`` sequences."""
 
-    def __init__(self, n_layer: int, geom: RecurrentGeometry, n_slot: int = 4, n_rollback: int = 0):
+    def __init__(self, n_layer: int, geom: RecurrentGeometry, n_slot: int = 4, n_rollback: int = 0, device=None):
+        """device: an opened native Device; the planes then live in its memory, and the host
+        views below are a mirror that save / restore / slot allocation sync explicitly."""
         if n_layer < 1:
             raise ValueError(f"RecurrentMemory needs at least one layer, got {n_layer}")
         if n_slot < 1:
@@ -85,8 +87,9 @@ class RecurrentMemory:
         self.ssm_shape = (P, n_slot, g.n_v_heads, g.state_size * g.state_size)  # the graph's view
         self.conv_layer_bytes = int(np.prod(self.conv_shape)) * 4
         self.ssm_layer_bytes = int(np.prod(self.ssm_shape)) * 4
-        self.conv_buf = native.Buffer(n_layer * self.conv_layer_bytes)
-        self.ssm_buf = native.Buffer(n_layer * self.ssm_layer_bytes)
+        self.device = device
+        self.conv_buf = native.Buffer(n_layer * self.conv_layer_bytes, device=device)
+        self.ssm_buf = native.Buffer(n_layer * self.ssm_layer_bytes, device=device)
         # numpy views over the native buffers (save / restore / zeroing only; graphs use the buffers)
         self._conv = np.frombuffer(self.conv_buf, dtype=np.float32).reshape((n_layer,) + self.conv_shape)
         self._ssm = np.frombuffer(self.ssm_buf, dtype=np.float32).reshape(
@@ -132,7 +135,21 @@ class RecurrentMemory:
         self.n_last[s] = 0
         self._conv[:, 0, s] = 0.0  # a new sequence starts from zero state (plane 0 is read first)
         self._ssm[:, 0, s] = 0.0
+        self._sync(0, s, to_device=True)
         return s
+
+    def _sync(self, plane: int, slot: int, to_device: bool) -> None:
+        """On a device: copy one (plane, slot) block of every layer between the device and the
+        host views (a no-op on the CPU, where the views are the state)."""
+        if self.device is None:
+            return
+        P = self.n_planes
+        for buf, view, layer_bytes in ((self.conv_buf, self._conv, self.conv_layer_bytes),
+                                       (self.ssm_buf, self._ssm, self.ssm_layer_bytes)):
+            blk = layer_bytes // (P * self.n_slot)
+            for il in range(self.n_layer):
+                off = il * layer_bytes + (plane * self.n_slot + slot) * blk
+                (buf.to_device if to_device else buf.to_host)(off, blk)
 
     def free(self, seq: int) -> None:
         """Forget a sequence and release its slot (no-op when it has none)."""
@@ -222,6 +239,7 @@ class RecurrentMemory:
         if s is None:
             raise KeyError(f"sequence {seq} has no recurrent state")
         p = int(self.rs_idx[s])
+        self._sync(p, s, to_device=False)
         return RecurrentState(n_tokens=int(self.tail[s]) + 1, conv=self._conv[:, p, s].copy(),
                               ssm=self._ssm[:, p, s].copy())
 
@@ -237,6 +255,7 @@ class RecurrentMemory:
             s = self._alloc(seq)
         self._conv[:, 0, s] = state.conv
         self._ssm[:, 0, s] = state.ssm
+        self._sync(0, s, to_device=True)
         self.rs_idx[s] = 0
         self.tail[s] = state.n_tokens - 1
         self.n_last[s] = 0  # the other planes are stale: no rollback until the next batch

@@ -77,9 +77,11 @@ class EngineConfig:
                                    # save memory, longer drafts then save/restore/replay instead)
     cache_type_k: str = "f16"    # KV cache row types (f16, f32, q8_0); V as K unless given
     cache_type_v: str | None = None
+    device: str | None = None    # "cpu" (default) or a device such as "vulkan:0" (pyfast.devices())
     control_vectors: list | None = None  # [(GGUF path, strength)] (llama-server's --control-vector[-scaled])
     control_vector_layer_range: tuple[int, int] | None = None  # first and last layer, inclusive
     _control: "ControlVector | None" = field(default=None, init=False, repr=False, compare=False)  # read by validate()
+    _device: object = field(default=None, init=False, repr=False, compare=False)  # opened by validate()
 
     def validate(self) -> "EngineConfig":
         if self.n_parallel < 1:
@@ -111,6 +113,11 @@ class EngineConfig:
         elif self.control_vector_layer_range is not None:
             raise ValueError("--control-vector-layer-range needs --control-vector or --control-vector-scaled")
         self.spec.validate()
+        self._device = None
+        if self.device is not None:  # a missing device fails before the model loads
+            from pyfast.device import open_device
+
+            self._device = open_device(self.device)
         return self
 
 
@@ -239,7 +246,8 @@ class Engine:
 
         self.cfg = cfg.validate()
         self.model_path = str(resolve_model(cfg.model, quiet=True))
-        self.model = Model(self.model_path)
+        # on a device the weights are uploaded from the file mapping
+        self.model = Model(self.model_path, mmap=True) if cfg._device is not None else Model(self.model_path)
         if cfg._control is not None:  # validate() read the files
             self.model.set_control_vector(cfg._control, *(cfg.control_vector_layer_range or (None, None)))
         self.tokenizer = Tokenizer.from_gguf_metadata(self.model.metadata)
@@ -273,7 +281,7 @@ class Engine:
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=cfg.n_threads, max_plans=64,
                            n_ubatch=max(cfg.n_ubatch, n_rollback + 1), n_seq_max=cfg.n_parallel,
                            n_rollback=n_rollback, export_hidden=export_hidden,
-                           kv_dtype=cfg.cache_type_k, kv_dtype_v=cfg.cache_type_v)
+                           kv_dtype=cfg.cache_type_k, kv_dtype_v=cfg.cache_type_v, device=cfg._device)
         self.ctx.max_plans += 2 * max_draft  # verify batches come in more sizes
         # every round goes through the decoder (a plain multi-sequence decoder without proposers)
         self.decoder = SpecDecoder(self.ctx, proposers, round_cfg, safe_drafts=True)

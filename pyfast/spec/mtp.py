@@ -182,6 +182,10 @@ class MTPProposer(Proposer):
         if self.pool is None:
             self.pool = ctx.pool
 
+    def _device(self):
+        """The target context's device (the MTP block runs beside the target)."""
+        return getattr(self.target, "device", None)
+
     def _ensure(self) -> None:
         if self.kv is None:
             a = self.args
@@ -191,7 +195,7 @@ class MTPProposer(Proposer):
                 dtype, dtype_v = self.target.kv.dtype, self.target.kv.dtype_v
             else:
                 dtype, dtype_v = native.DType.F16, None
-            self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, dtype_v=dtype_v)
+            self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, dtype_v=dtype_v, device=self._device())
         if self.pool is None:
             from pyfast.context import default_threads
 
@@ -206,7 +210,7 @@ class MTPProposer(Proposer):
             logits = self.impl.build_nextn(b, self.args, 0)
             if draft:  # catch-up plans output only "hidden": the head is never run for them
                 b.g.output(logits, "logits")
-            plan = native.Plan(b.g, self.pool)
+            plan = native.Plan(b.g, self.pool, self._device())
             self.n_plan_builds += 1
             self._plans[key] = plan
             while len(self._plans) > self.max_plans:

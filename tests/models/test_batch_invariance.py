@@ -25,20 +25,21 @@ def isa(request):
     native.set_cpu_isa(old)
 
 
-def alone(model, n_threads=2, n_ubatch=512):
+def alone(model, n_threads=2, n_ubatch=512, device=None):
     """Prompt as one batch, then NEXT one token at a time; returns all rows' logits."""
-    ctx = Context(model, n_ctx=256, n_threads=n_threads, n_ubatch=n_ubatch)
+    ctx = Context(model, n_ctx=256, n_threads=n_threads, n_ubatch=n_ubatch, device=device)
     rows = [ctx.decode(PROMPT, seq_ids=0, logits="all")]
     for t in NEXT:
         rows.append(ctx.decode([t], seq_ids=0, logits="all"))
     return np.concatenate(rows)
 
 
-def run_invariance_checks(model):
-    ref = alone(model)
+def run_invariance_checks(model, device=None):
+    """device: run every context there (a name or an opened Device)."""
+    ref = alone(model, device=device)
 
     # 1. Together with two other sequences, interleaved in the same batches.
-    ctx = Context(model, n_ctx=256, n_threads=2)
+    ctx = Context(model, n_ctx=256, n_threads=2, device=device)
     toks, seqs = [], []
     for i in range(max(len(PROMPT), len(OTHER1), len(OTHER2))):
         for s, src in ((1, OTHER1), (0, PROMPT), (2, OTHER2)):
@@ -53,33 +54,33 @@ def run_invariance_checks(model):
     np.testing.assert_array_equal(np.concatenate(got), ref)
 
     # 2. The prompt split into different micro-batches (odd sizes, and by the context itself).
-    ctx = Context(model, n_ctx=256, n_threads=2)
+    ctx = Context(model, n_ctx=256, n_threads=2, device=device)
     got = []
     for a, b in ((0, 1), (1, 6), (6, 13), (13, len(PROMPT))):
         got.append(ctx.decode(PROMPT[a:b], seq_ids=0, logits="all"))
     for t in NEXT:
         got.append(ctx.decode([t], seq_ids=0, logits="all"))
     np.testing.assert_array_equal(np.concatenate(got), ref)
-    np.testing.assert_array_equal(alone(model, n_ubatch=4), ref)
+    np.testing.assert_array_equal(alone(model, n_ubatch=4, device=device), ref)
 
     # 3. The next tokens as one multi-token batch (as a speculative verify batch is).
-    ctx = Context(model, n_ctx=256, n_threads=2)
+    ctx = Context(model, n_ctx=256, n_threads=2, device=device)
     got = [ctx.decode(PROMPT, seq_ids=0, logits="all"), ctx.decode(NEXT, seq_ids=0, logits="all")]
     np.testing.assert_array_equal(np.concatenate(got), ref)
 
     # 4. Thread count does not matter.
-    np.testing.assert_array_equal(alone(model, n_threads=1), ref)
-    np.testing.assert_array_equal(alone(model, n_threads=3), ref)
+    np.testing.assert_array_equal(alone(model, n_threads=1, device=device), ref)
+    np.testing.assert_array_equal(alone(model, n_threads=3, device=device), ref)
 
     # 5. After another sequence's cells were freed and reused in between (cells out of order).
-    ctx = Context(model, n_ctx=256, n_threads=2)
+    ctx = Context(model, n_ctx=256, n_threads=2, device=device)
     ctx.decode(OTHER2, seq_ids=2, logits="none")
     ctx.decode(PROMPT[:5], seq_ids=0, logits="none")
     ctx.truncate(2, 3)  # frees cells below sequence 0's next ones
     got = [ctx.decode(PROMPT[5:], seq_ids=0, logits="all")]
     for t in NEXT:
         got.append(ctx.decode([t], seq_ids=0, logits="all"))
-    full = alone(model)
+    full = alone(model, device=device)
     np.testing.assert_array_equal(np.concatenate(got), full[5:])
 
 

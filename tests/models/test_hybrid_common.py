@@ -44,9 +44,26 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float((np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)).max())
 
 
+DEVICE: list = [None]  # the device contexts are made on (on_device); None: the CPU
+
+
+class on_device:
+    """Within the block, make_ctx builds contexts on `device` (a name or an opened Device)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        DEVICE.append(self.device)
+
+    def __exit__(self, *exc):
+        DEVICE.pop()
+
+
 def make_ctx(model, **kw):
     from pyfast.context import Context
 
+    kw.setdefault("device", DEVICE[-1])
     kw.setdefault("n_ctx", 128)
     kw.setdefault("n_threads", 2)
     kw.setdefault("kv_dtype", native.DType.F32)

@@ -803,6 +803,7 @@ class Result:
     dtype: Any
     leaves: list
     sentinels_armed: bool = False
+    on_device: bool | None = None  # device runs: whether the op's kernel ran on the device
 
 
 def _out_nbytes(t) -> int:
@@ -821,9 +822,11 @@ def reference(case: Case, leaves: list[Leaf]) -> np.ndarray:
 
 
 def run_case(case: Case, isa: str, n_threads: int, *, sentinels: bool = True, seed: int | None = None,
-             guard: str | None = None) -> Result:
+             guard: str | None = None, device=None) -> Result:
     """Build, run and decode one case; raises AssertionError when a sentinel was overwritten.
-    guard="after"/"before": every leaf is an external tensor flush against an inaccessible page."""
+    guard="after"/"before": every leaf is an external tensor flush against an inaccessible page.
+    device: an opened native Device: the plan is compiled for it (Result.on_device says whether
+    the op itself ran there or fell back to the CPU)."""
     rng = np.random.default_rng(seed_of(case.id) if seed is None else seed)
     leaves = [make_leaf(a, f"in{i}", rng) for i, a in enumerate(case.args)]
     guarded = {lf.name: GuardedBuffer(lf.base_raw, guard) for lf in leaves} if guard else {}
@@ -849,7 +852,7 @@ def run_case(case: Case, isa: str, n_threads: int, *, sentinels: bool = True, se
         g.output(b, "sentinel_B")
     out = build_case(g, case, leaves, guarded)
     g.output(out, "out")
-    plan = N.Plan(g, pool(n_threads))
+    plan = N.Plan(g, pool(n_threads), device) if device is not None else N.Plan(g, pool(n_threads))
     for lf in leaves:
         if lf.name not in guarded:
             plan.set_input(lf.name, lf.base_raw)
@@ -870,12 +873,16 @@ def run_case(case: Case, isa: str, n_threads: int, *, sentinels: bool = True, se
             if not np.array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32)):
                 raise AssertionError(f"{case.id}: the sentinel {name} the output was overwritten "
                                      "(out-of-bounds write)")
-        if armed:
-            # The alignment slack between the output's end and B still holds H's bytes.
+        if armed and device is None:
+            # The alignment slack (a device plan copies back only its outputs, not the slack) between the output's end and B still holds H's bytes.
             tail = ctypes.string_at(po + out_bytes, pb - po - out_bytes)
             hole = canary["H"].view(np.uint8)
             if tail != hole[out_bytes:out_bytes + len(tail)].tobytes():
                 raise AssertionError(f"{case.id}: bytes just past the output were overwritten "
                                      "(out-of-bounds write)")
     ref = reference(case, leaves)
-    return Result(decode(raw, out.dtype), raw, np.asarray(ref), out.dtype, leaves, armed)
+    on_device = None
+    if device is not None:
+        steps = plan.device_steps
+        on_device = not any(line.startswith(f"cpu    {case.op} ") for line in steps["steps"].splitlines())
+    return Result(decode(raw, out.dtype), raw, np.asarray(ref), out.dtype, leaves, armed, on_device)

@@ -1,0 +1,159 @@
+// Which nodes the Vulkan backend runs, and how each is launched (shader, specialization
+// constants, parameters, workgroups). Nodes not listed here run on the CPU (see vk_backend.cpp).
+#include <cstring>
+
+#include "vulkan/vk_context.h"
+
+namespace pyfast {
+namespace vk {
+
+namespace {
+
+bool is_float(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
+bool decodable(DType t) {  // element types dequant.glsl reads
+  switch (t) {
+    case DType::F32: case DType::F16: case DType::BF16: case DType::Q8_0: case DType::Q4_0: case DType::Q4_1:
+    case DType::Q5_0: case DType::Q5_1: case DType::Q4_K: case DType::Q5_K: case DType::Q6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+uint32_t groups_of(int64_t n, int64_t per) { return (uint32_t)((n + per - 1) / per); }
+
+}  // namespace
+
+bool op_supported(const Context& ctx, const Node& nd, const Node* const* src) {
+  // Every operand must fit one binding, with 32-bit offsets and strides.
+  const uint64_t max_range = std::min<uint64_t>(ctx.info.max_buffer_range ? ctx.info.max_buffer_range : UINT32_MAX,
+                                                (uint64_t)INT32_MAX);
+  auto fits = [&](const Node& n) {
+    if (span_bytes(n.dtype, n.shape) + 256 > max_range) return false;
+    for (int d = 0; d < n.shape.ndim; ++d)
+      if (n.shape.strides[d] < 0 || n.shape.strides[d] > INT32_MAX || n.shape.dims[d] > INT32_MAX) return false;
+    return true;
+  };
+  if (!fits(nd)) return false;
+  for (int s = 0; s < nd.n_src; ++s) {
+    if (!fits(*src[s]) || src[s]->packed) return false;
+  }
+  switch (nd.op) {
+    case Op::add: case Op::mul: case Op::scale: case Op::silu: case Op::sigmoid: case Op::softplus:
+    case Op::rms_norm: case Op::l2_norm: case Op::softmax: case Op::argmax: case Op::rope:
+      return true;
+    case Op::swiglu:
+      for (int d = 0; d < 4; ++d)
+        if (src[0]->shape.dims[d] != src[1]->shape.dims[d]) return false;
+      return src[0]->shape.ndim == src[1]->shape.ndim;
+    case Op::get_rows:
+      return decodable(src[0]->dtype) && src[0]->shape.ndim <= 4;
+    case Op::matmul:
+      return decodable(src[1]->dtype);
+    case Op::cpy:
+      return is_float(nd.dtype) && decodable(src[0]->dtype);
+    case Op::set_rows: {
+      const int64_t row = nd.shape.numel() / nd.shape.dims[0];
+      if (nd.dtype == DType::F32 || nd.dtype == DType::Q8_0) return true;
+      return (nd.dtype == DType::F16 || nd.dtype == DType::BF16) && row % 2 == 0;
+    }
+    case Op::attention: {
+      const DType kt = src[1]->dtype, vt = src[2]->dtype;
+      auto ok = [](DType t) { return t == DType::F32 || t == DType::F16 || t == DType::Q8_0; };
+      return ok(kt) && ok(vt) && src[0]->shape.dims[2] <= 512 && src[2]->shape.dims[2] <= 512;
+    }
+    default:
+      return false;
+  }
+}
+
+Dispatch op_dispatch(const Node& nd, const Node* const* src) {
+  Dispatch d;
+  std::memset(&d.params, 0, sizeof(d.params));
+  const int64_t numel = nd.shape.numel();
+  auto rows_of = [](const Node& n) { return n.shape.numel() / n.shape.dims[n.shape.ndim - 1]; };
+  switch (nd.op) {
+    case Op::scale: case Op::silu: case Op::sigmoid: case Op::softplus:
+      d.shader = "unary";
+      d.spec = {nd.op == Op::scale ? 0 : nd.op == Op::silu ? 1 : nd.op == Op::sigmoid ? 2 : 3};
+      d.params.fp[0] = nd.params.f[0];
+      d.groups = groups_of(numel, 256);
+      break;
+    case Op::add: case Op::mul: case Op::swiglu:
+      d.shader = "binary";
+      d.spec = {nd.op == Op::add ? 0 : nd.op == Op::mul ? 1 : 2};
+      d.groups = groups_of(numel, 256);
+      break;
+    case Op::rms_norm: case Op::l2_norm:
+      d.shader = "norm";
+      d.spec = {nd.op == Op::rms_norm ? 0 : 1};
+      d.params.fp[0] = nd.params.f[0];
+      d.groups = (uint32_t)rows_of(nd);
+      break;
+    case Op::softmax:
+      d.shader = "softmax";
+      d.params.ip[0] = nd.n_src > 1 ? 1 : 0;
+      d.params.fp[0] = nd.params.f[0];
+      d.groups = (uint32_t)rows_of(nd);
+      break;
+    case Op::argmax:
+      d.shader = "argmax";
+      d.groups = (uint32_t)rows_of(*src[0]);
+      break;
+    case Op::rope: {
+      d.shader = "rope";
+      const int64_t T = nd.shape.dims[0], H = nd.shape.dims[1], D = nd.shape.dims[2];
+      const int n_dims = nd.params.i[0];
+      d.params.ip[0] = n_dims;
+      d.params.ip[1] = nd.params.i[1];
+      d.params.fp[0] = nd.params.f[0];
+      d.params.fp[1] = nd.params.f[1];
+      d.groups = groups_of(T * H * (n_dims / 2 + (D - n_dims)), 256);
+      break;
+    }
+    case Op::get_rows:
+      d.shader = "get_rows";
+      d.spec = {(int32_t)src[0]->dtype};
+      d.params.ip[0] = src[0]->shape.ndim;
+      d.groups = groups_of(numel, 256);
+      break;
+    case Op::matmul: {
+      d.shader = "matmul";
+      d.spec = {(int32_t)src[1]->dtype};
+      const int64_t K = src[0]->shape.dims[src[0]->shape.ndim - 1];
+      const int64_t M = src[0]->shape.numel() / K, N = src[1]->shape.dims[0];
+      d.groups = (uint32_t)(((N + 63) / 64) * ((M + 3) / 4));
+      break;
+    }
+    case Op::cpy:
+      d.shader = "cpy";
+      d.spec = {(int32_t)src[0]->dtype, (int32_t)nd.dtype};
+      d.groups = groups_of(nd.dtype == DType::F32 ? numel : (numel + 1) / 2, 256);
+      break;
+    case Op::set_rows: {
+      d.shader = "set_rows";
+      d.spec = {(int32_t)nd.dtype};
+      d.params.ip[0] = nd.shape.ndim;
+      d.params.ip[1] = src[1]->shape.ndim;
+      const int64_t R = src[2]->shape.dims[0];
+      const int64_t row = nd.shape.numel() / nd.shape.dims[0];
+      const int64_t unit = nd.dtype == DType::F32 ? 1 : nd.dtype == DType::Q8_0 ? 32 : 2;
+      d.groups = groups_of(R * (row / unit), 64);
+      break;
+    }
+    case Op::attention:
+      d.shader = "attention";
+      d.spec = {(int32_t)src[1]->dtype, (int32_t)src[2]->dtype};
+      d.params.ip[0] = nd.n_src > 4 ? 1 : 0;
+      d.params.fp[0] = nd.params.f[0];
+      d.groups = (uint32_t)(nd.shape.dims[0] * nd.shape.dims[1]);
+      break;
+    default:
+      throw std::logic_error(std::string("[vulkan] no kernel for ") + op_name(nd.op));
+  }
+  return d;
+}
+
+}  // namespace vk
+}  // namespace pyfast

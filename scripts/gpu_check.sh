@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One prepared check on a machine with a GPU, in at most ~8 minutes:
+#   1. what is there (GPU, driver, Vulkan loader and ICD, Python packages);
+#   2. the native extension: built here with CMake when a compiler, CMake and pybind11 exist,
+#      else the one given by PYFAST_NATIVE (e.g. built on a CPU machine and carried over, with
+#      libvulkan.so.1 beside it in LD_LIBRARY_PATH);
+#   3. the op harness on every non-CPU device against the CPU reference (tests/ops/test_devices.py);
+#   4. the end-to-end device tests (tests/devices: hybrid fixtures vs transformers, batch
+#      invariance, rollback, lossless n-gram / draft-mtp speculation, SmolLM2 perplexity vs CPU,
+#      the server);
+#   5. `pyfast bench` on the device: pp512 / tg128 on SmolLM2 (and BENCH_MODEL if given), with the
+#      weight bytes read per second during decode as a fraction of the GPU's peak bandwidth
+#      (PEAK_GBS, or a known figure for the GPU's name).
+# Every step prints its elapsed time; a failing step does not stop the others. Exit status: the
+# number of failed steps.
+#
+#   bash scripts/gpu_check.sh [DEVICE]      (default vulkan:0)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEV=${1:-vulkan:0}
+T0=$(date +%s)
+FAILED=0
+log() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*"; }
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 t=$2; shift 2
+  log "== $name"
+  if timeout "$t" "$@"; then log "ok: $name"; else log "FAILED ($?): $name"; FAILED=$((FAILED + 1)); fi
+}
+
+log "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
+ldconfig -p 2>/dev/null | grep -m1 "libvulkan.so.1" || echo "(libvulkan.so.1 not in the linker cache; LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-})"
+ls /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>/dev/null || echo "(no Vulkan ICD json found: the GPU's Vulkan driver is not installed)"
+python3 -c "import numpy, tokenizers, jinja2; print('python deps ok')" || echo "(missing python packages)"
+
+if [ -z "${PYFAST_NATIVE:-}" ]; then
+  if command -v cmake >/dev/null && python3 -c "import pybind11" 2>/dev/null; then
+    step "build (cmake, Vulkan required)" 300 bash -c '
+      cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=Release -DPYFAST_VULKAN=ON \
+        -Dpybind11_DIR="$(python3 -c "import pybind11; print(pybind11.get_cmake_dir())")" >/dev/null &&
+      cmake --build build/gpu -j"$(nproc)" >/dev/null'
+    export PYFAST_NATIVE=$(ls build/gpu/_native*.so 2>/dev/null | head -1)
+  else
+    log "no cmake / pybind11 here and PYFAST_NATIVE is not set: cannot build the extension"
+    FAILED=$((FAILED + 1))
+  fi
+fi
+log "extension: ${PYFAST_NATIVE:-installed package}"
+python3 -m pyfast devices || FAILED=$((FAILED + 1))
+
+step "op harness on the devices" 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_devices.py
+step "end to end on the devices" 180 python3 -m pytest -q -p no:cacheprovider tests/devices
+
+bench() {  # bench MODEL
+  python3 - "$1" "$DEV" <<'EOF'
+import os, subprocess, sys
+from pyfast.bench import run_bench
+from pyfast.hub import resolve_model
+from pyfast.models import Model
+
+path, dev = str(resolve_model(sys.argv[1])), sys.argv[2]
+size = sum(i.nbytes for i in Model(path, mmap=True).weights.info.values())
+peak = float(os.environ.get("PEAK_GBS", "0"))
+if not peak:
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout
+    except OSError:
+        name = ""
+    known = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "L4": 300, "A10": 600, "RTX 4090": 1008}
+    peak = next((v for k, v in known.items() if k in name), 0)
+for r in run_bench(path, [512], [128], [4], reps=3, device=dev):
+    line = f"{os.path.basename(path)} {r.test} on {dev}: {r.tps_median:.1f} t/s"
+    if r.test.startswith("tg"):
+        gbs = size * r.tps_median / 1e9
+        line += f", weights read {gbs:.1f} GB/s" + (f" = {100 * gbs / peak:.1f}% of {peak:.0f} GB/s" if peak else "")
+    print(line, flush=True)
+EOF
+}
+step "bench SmolLM2" 90 bench smollm2
+if [ -n "${BENCH_MODEL:-}" ]; then step "bench $BENCH_MODEL" 120 bench "$BENCH_MODEL"; fi
+
+log "done: $FAILED failed step(s)"
+exit "$FAILED"
