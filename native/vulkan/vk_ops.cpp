@@ -1,5 +1,6 @@
 // Which nodes the Vulkan backend runs, and how each is launched (shader, specialization
 // constants, parameters, workgroups). Nodes not listed here run on the CPU (see vk_backend.cpp).
+#include <cmath>
 #include <cstring>
 
 #include "vulkan/vk_context.h"
@@ -58,6 +59,14 @@ bool op_supported(const Context& ctx, const Node& nd, const Node* const* src) {
       if (nd.dtype == DType::F32 || nd.dtype == DType::Q8_0) return true;
       return (nd.dtype == DType::F16 || nd.dtype == DType::BF16) && row % 2 == 0;
     }
+    case Op::concat: case Op::sum: case Op::gather: case Op::topk:
+      return true;
+    case Op::matmul_id:
+      return decodable(src[1]->dtype);
+    case Op::ssm_conv:
+      return src[1]->shape.dims[1] <= 16;  // kernel taps (the shader's window array)
+    case Op::gated_delta_net:
+      return src[2]->shape.dims[2] <= 128;  // head dim S (one thread per value column)
     case Op::attention: {
       const DType kt = src[1]->dtype, vt = src[2]->dtype;
       auto ok = [](DType t) { return t == DType::F32 || t == DType::F16 || t == DType::Q8_0; };
@@ -149,6 +158,54 @@ Dispatch op_dispatch(const Node& nd, const Node* const* src) {
       d.params.fp[0] = nd.params.f[0];
       d.groups = (uint32_t)(nd.shape.dims[0] * nd.shape.dims[1]);
       break;
+    case Op::concat:
+      d.shader = "concat";
+      d.params.ip[0] = nd.params.i[0];
+      d.params.ip[1] = nd.shape.ndim - 1 - nd.params.i[0];
+      d.groups = groups_of(numel, 256);
+      break;
+    case Op::sum:
+      d.shader = "sum";
+      d.params.ip[0] = nd.params.i[0];
+      d.params.ip[1] = src[0]->shape.ndim - 1 - nd.params.i[0];
+      d.groups = groups_of(numel, 256);
+      break;
+    case Op::gather:
+      d.shader = "gather";
+      d.groups = groups_of(numel, 256);
+      break;
+    case Op::topk: {
+      d.shader = "topk";
+      d.params.ip[0] = nd.params.i[0];
+      const int64_t E = src[0]->shape.dims[src[0]->shape.ndim - 1];
+      d.groups = (uint32_t)(rows_of(*src[0]) * groups_of(E, 256));
+      break;
+    }
+    case Op::matmul_id: {
+      d.shader = "matmul_id";
+      d.spec = {(int32_t)src[1]->dtype};
+      d.params.ip[0] = src[0]->shape.ndim;
+      const int64_t N = nd.shape.dims[2], TK = nd.shape.dims[0] * nd.shape.dims[1];
+      d.groups = (uint32_t)(groups_of(N, 64) * TK);
+      break;
+    }
+    case Op::ssm_conv: {
+      d.shader = "ssm_conv";
+      const int64_t T = src[0]->shape.dims[0], C = src[0]->shape.dims[1], n_seg = src[3]->shape.dims[0];
+      d.groups = (uint32_t)(n_seg * groups_of(C, 64) + groups_of(T * C, 64));
+      break;
+    }
+    case Op::gated_delta_net: {
+      d.shader = "gated_delta_net";
+      const int64_t T = src[2]->shape.dims[0], Hv = src[2]->shape.dims[1], S = src[2]->shape.dims[2];
+      const int64_t n_seg = src[6]->shape.dims[0];
+      d.params.ip[0] = nd.params.i[0];  // broadcast
+      d.params.ip[1] = src[3]->shape.ndim;
+      const float scale = nd.params.f[0];
+      d.params.fp[0] = scale != 0.0f ? scale : 1.0f / std::sqrt((float)S);
+      d.groups = (uint32_t)(n_seg * Hv + groups_of(T * Hv * S, 128));
+      break;
+    }
     default:
       throw std::logic_error(std::string("[vulkan] no kernel for ") + op_name(nd.op));
   }

@@ -121,6 +121,19 @@ def test_device_plan_runs_on_device(dev, smollm2_path):
     assert steps["device_nodes"] > 100
 
 
+@dev_param
+@pytest.mark.parametrize("name", hc.NAMES)
+def test_hybrid_plan_runs_on_device(dev, name):
+    """The hybrid graphs (ssm_conv, gated_delta_net with its snapshot planes, MoE routing with
+    topk / gather / matmul_id) run with no CPU node; only outputs are copied back."""
+    model, ref = hc.load(name)
+    ctx = hc.make_ctx(model, device=dev)
+    ctx.decode(ref["tokens_0"], logits="all")
+    steps = ctx._last_plan.device_steps
+    assert steps["host_nodes"] == 0, steps["steps"]
+    assert all(line.startswith(("device ", "  copy device->host")) for line in steps["steps"].splitlines())
+
+
 def test_devices_lists_cpu_first():
     devs = pyfast.devices()
     assert devs[0]["name"] == "cpu" and devs[0]["kind"] == "cpu"
