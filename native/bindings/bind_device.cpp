@@ -17,6 +17,7 @@ py::dict device_dict(const DeviceInfo& d) {
   o["description"] = d.description;
   o["memory_bytes"] = d.memory_bytes;
   o["max_buffer_range"] = d.max_buffer_range;
+  o["integer_dot"] = d.integer_dot;
   return o;
 }
 

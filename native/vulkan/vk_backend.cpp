@@ -216,6 +216,18 @@ VkPlan::VkPlan(VulkanBackend& be, Graph& g, std::shared_ptr<ThreadPool> pool)
   if (!inputs_->mapped()) throw std::runtime_error("[vulkan] input buffer is not host-visible");
 
   // Intermediates: the arena (device) and its shadow (host-visible), same offsets.
+  // Each device node's dispatches (and the scratch some need while they run).
+  std::vector<std::vector<Dispatch>> disp(n);
+  std::vector<size_t> scratch(n, 0), scratch_off(n, 0);
+  size_t n_disp = 0;
+  for (int i : exec) {
+    if (!on_dev[i]) continue;
+    const Node* srcs[kMaxSrc];
+    for (int s = 0; s < nodes[i].n_src; ++s) srcs[s] = &nodes[nodes[i].src[s]];
+    disp[i] = op_dispatch(*ctx_, nodes[i], srcs);
+    scratch[i] = op_scratch_bytes(*ctx_, nodes[i], srcs);
+    n_disp += disp[i].size();
+  }
   std::vector<size_t> offset(n, 0);
   std::vector<std::vector<int>> frees_at(n + 1);
   arena::Allocator alloc;
@@ -225,7 +237,9 @@ VkPlan::VkPlan(VulkanBackend& be, Graph& g, std::shared_ptr<ThreadPool> pool)
       offset[i] = alloc.alloc(span_bytes(nd.dtype, nd.shape));
       if (lv.last_use[i] < n) frees_at[lv.last_use[i]].push_back(i);
     }
+    if (scratch[i]) scratch_off[i] = alloc.alloc(scratch[i]);  // only while node i runs
     for (int r : frees_at[i]) alloc.release(offset[r], span_bytes(nodes[r].dtype, nodes[r].shape));
+    if (scratch[i]) alloc.release(scratch_off[i], scratch[i]);
   }
   const size_t arena_bytes = std::max<size_t>(alloc.high_water(), 64);
   arena_ = std::make_shared<Buffer>(ctx_, arena_bytes, Buffer::Kind::device);
@@ -272,16 +286,14 @@ VkPlan::VkPlan(VulkanBackend& be, Graph& g, std::shared_ptr<ThreadPool> pool)
     if (lv.needed[i] && nodes[i].view_src >= 0 && !ext_buf[i] && ext_buf[lv.root[i]]) ext_buf[i] = ext_buf[lv.root[i]];
 
   // Dispatch parameters and descriptor sets.
-  std::vector<int> dev_nodes;
-  for (int i : exec)
-    if (on_dev[i]) dev_nodes.push_back(i);
   const size_t palign = std::max<size_t>(ctx_->props.limits.minUniformBufferOffsetAlignment, 16);
   const size_t pslot = align_to(sizeof(Params), palign);
-  params_ = std::make_shared<Buffer>(ctx_, std::max<size_t>(pslot * dev_nodes.size(), 64), Buffer::Kind::upload);
-  VkDescriptorPoolSize ps[2] = {{VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER, (uint32_t)std::max<size_t>(dev_nodes.size(), 1)},
-                                {VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, (uint32_t)std::max<size_t>(dev_nodes.size(), 1) * kMaxBindings}};
+  const size_t n_sets = std::max<size_t>(n_disp, 1);
+  params_ = std::make_shared<Buffer>(ctx_, pslot * n_sets, Buffer::Kind::upload);
+  VkDescriptorPoolSize ps[2] = {{VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER, (uint32_t)n_sets},
+                                {VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, (uint32_t)n_sets * kMaxBindings}};
   VkDescriptorPoolCreateInfo dpi{VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO};
-  dpi.maxSets = (uint32_t)std::max<size_t>(dev_nodes.size(), 1);
+  dpi.maxSets = (uint32_t)n_sets;
   dpi.poolSizeCount = 2;
   dpi.pPoolSizes = ps;
   check(vkCreateDescriptorPool(ctx_->dev, &dpi, nullptr, &dpool_), "vkCreateDescriptorPool");
@@ -345,53 +357,62 @@ VkPlan::VkPlan(VulkanBackend& be, Graph& g, std::shared_ptr<ThreadPool> pool)
           where[r] = kBoth;
         }
       }
-      Dispatch d = op_dispatch(nd, srcs);
-      // Bind each tensor at an aligned offset; the shader adds the remainder (Params::ofs).
-      VkDescriptorBufferInfo bi[kMaxBindings];
-      for (int t = 0; t < kMaxBindings; ++t) bi[t] = {ctx_->dummy->handle(), 0, VK_WHOLE_SIZE};
-      auto bind = [&](int t, int id) {
-        const Node& tn = nodes[id];
-        const Loc& l = loc[id];
-        const size_t base = l.off / salign * salign;
-        const size_t span = span_bytes(tn.dtype, tn.shape);
-        size_t range = std::min(align_to(l.off - base + span, 4), l.size - base);
-        bi[t] = {l.buf, base, range};
-        d.params.ofs[t] = (uint32_t)(l.off - base);
-        fill_tensor(d.params, t, tn);
-      };
-      bind(0, i);
-      for (int s = 0; s < nd.n_src; ++s) bind(1 + s, nd.src[s]);
-      params_->write(k_dev * pslot, &d.params, sizeof(Params));
-      VkDescriptorSetAllocateInfo dai{VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO};
-      dai.descriptorPool = dpool_;
-      dai.descriptorSetCount = 1;
-      dai.pSetLayouts = &ctx_->dsl;
-      VkDescriptorSet set;
-      check(vkAllocateDescriptorSets(ctx_->dev, &dai, &set), "vkAllocateDescriptorSets");
-      VkDescriptorBufferInfo pbi{params_->handle(), k_dev * pslot, sizeof(Params)};
-      VkWriteDescriptorSet w[2]{};
-      w[0].sType = w[1].sType = VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET;
-      w[0].dstSet = w[1].dstSet = set;
-      w[0].dstBinding = 0;
-      w[0].descriptorCount = 1;
-      w[0].descriptorType = VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER;
-      w[0].pBufferInfo = &pbi;
-      w[1].dstBinding = 1;
-      w[1].descriptorCount = kMaxBindings;
-      w[1].descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER;
-      w[1].pBufferInfo = bi;
-      vkUpdateDescriptorSets(ctx_->dev, 2, w, 0, nullptr);
-      vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, ctx_->pipeline(d.shader, d.spec));
-      vkCmdBindDescriptorSets(cb, VK_PIPELINE_BIND_POINT_COMPUTE, ctx_->layout, 0, 1, &set, 0, nullptr);
-      const uint32_t gx = std::min<uint32_t>(std::max<uint32_t>(d.groups, 1), 65535);
-      const uint32_t gy = (std::max<uint32_t>(d.groups, 1) + gx - 1) / gx;
-      vkCmdDispatch(cb, gx, gy, 1);
-      barrier(cb);
-      ++k_dev;
+      for (Dispatch& d : disp[i]) {
+        // Bind each tensor at an aligned offset; the shader adds the remainder (Params::ofs).
+        VkDescriptorBufferInfo bi[kMaxBindings];
+        for (int t = 0; t < kMaxBindings; ++t) bi[t] = {ctx_->dummy->handle(), 0, VK_WHOLE_SIZE};
+        auto bind_at = [&](int t, const Loc& l, size_t span) {
+          const size_t base = l.off / salign * salign;
+          const size_t range = std::min(align_to(l.off - base + span, 4), l.size - base);
+          bi[t] = {l.buf, base, range};
+          d.params.ofs[t] = (uint32_t)(l.off - base);
+        };
+        auto bind = [&](int t, int id) {
+          bind_at(t, loc[id], span_bytes(nodes[id].dtype, nodes[id].shape));
+          fill_tensor(d.params, t, nodes[id]);
+        };
+        std::vector<int> slots = d.bind;
+        if (slots.empty()) {
+          slots.push_back(kOut);
+          for (int s = 0; s < nd.n_src; ++s) slots.push_back(s);
+        }
+        for (size_t t = 0; t < slots.size(); ++t) {
+          if (slots[t] == kOut) bind((int)t, i);
+          else if (slots[t] == kScratch) bind_at((int)t, Loc{arena_->handle(), arena_->size(), scratch_off[i]}, scratch[i]);
+          else bind((int)t, nd.src[slots[t]]);
+        }
+        params_->write(k_dev * pslot, &d.params, sizeof(Params));
+        VkDescriptorSetAllocateInfo dai{VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO};
+        dai.descriptorPool = dpool_;
+        dai.descriptorSetCount = 1;
+        dai.pSetLayouts = &ctx_->dsl;
+        VkDescriptorSet set;
+        check(vkAllocateDescriptorSets(ctx_->dev, &dai, &set), "vkAllocateDescriptorSets");
+        VkDescriptorBufferInfo pbi{params_->handle(), k_dev * pslot, sizeof(Params)};
+        VkWriteDescriptorSet w[2]{};
+        w[0].sType = w[1].sType = VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET;
+        w[0].dstSet = w[1].dstSet = set;
+        w[0].dstBinding = 0;
+        w[0].descriptorCount = 1;
+        w[0].descriptorType = VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER;
+        w[0].pBufferInfo = &pbi;
+        w[1].dstBinding = 1;
+        w[1].descriptorCount = kMaxBindings;
+        w[1].descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER;
+        w[1].pBufferInfo = bi;
+        vkUpdateDescriptorSets(ctx_->dev, 2, w, 0, nullptr);
+        vkCmdBindPipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, ctx_->pipeline(d.shader, d.spec));
+        vkCmdBindDescriptorSets(cb, VK_PIPELINE_BIND_POINT_COMPUTE, ctx_->layout, 0, 1, &set, 0, nullptr);
+        const uint32_t gx = std::min<uint32_t>(std::max<uint32_t>(d.groups, 1), 65535);
+        const uint32_t gy = (std::max<uint32_t>(d.groups, 1) + gx - 1) / gx;
+        vkCmdDispatch(cb, gx, gy, 1);
+        barrier(cb);
+        ++k_dev;
+        desc_ << "device " << op_name(nd.op) << " " << (nd.name.empty() ? "#" + std::to_string(i) : nd.name) << " ["
+              << d.shader << "]\n";
+      }
       ++n_device_nodes;
       where[lv.root[i]] = nodes[lv.root[i]].kind == NodeKind::computed ? kDev : kBoth;
-      desc_ << "device " << op_name(nd.op) << " " << (nd.name.empty() ? "#" + std::to_string(i) : nd.name) << " ["
-            << d.shader << "]\n";
     } else {
       // A CPU node: its computed sources come to the shadow, then this segment ends.
       HostStep hs;

@@ -76,6 +76,7 @@ class Context : public std::enable_shared_from_this<Context> {
   std::mutex queue_mu;  // vkQueueSubmit from several threads
   std::mutex cmd_mu;    // the command pool (allocating / freeing command buffers)
   std::shared_ptr<Buffer> dummy;  // bound to unused binding slots
+  bool int_dot = false;           // shaderIntegerDotProduct (4x8-bit packed dot products) enabled
 
   // Memory type for a buffer kind (device-local first; host-visible for upload / readback).
   uint32_t memory_type(uint32_t bits, Buffer::Kind kind) const;
@@ -92,15 +93,20 @@ class Context : public std::enable_shared_from_this<Context> {
   std::map<std::string, VkShaderModule> modules_;
 };
 
-// Op support and kernel launch description (vk_ops.cpp).
+// Op support and kernel launch description (vk_ops.cpp). A node runs as one or more dispatches;
+// each binds tensors by slot: kOut (the node's output), a source index, or kScratch (a region of
+// op_scratch_bytes(node) bytes the plan reserves for the node alone).
+constexpr int kOut = -1, kScratch = -2;
 struct Dispatch {
   std::string shader;
   std::vector<int32_t> spec;
   Params params{};
-  uint32_t groups = 1;  // linear workgroup count (split over x / y by the plan)
+  uint32_t groups = 1;     // linear workgroup count (split over x / y by the plan)
+  std::vector<int> bind;   // binding b -> tensor slot (empty: the output, then every source)
 };
 bool op_supported(const Context& ctx, const Node& node, const Node* const* src);
-Dispatch op_dispatch(const Node& node, const Node* const* src);
+size_t op_scratch_bytes(const Context& ctx, const Node& node, const Node* const* src);
+std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& node, const Node* const* src);
 
 // The embedded SPIR-V (generated at build time from shaders/*.comp).
 struct Spirv {

@@ -1,4 +1,5 @@
 // Vulkan instance, devices, buffers and pipelines.
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -126,12 +127,34 @@ Context::Context(VkInstance inst, VkPhysicalDevice p, int index) : phys(p) {
   vkEnumerateDeviceExtensionProperties(phys, nullptr, &ne, nullptr);
   std::vector<VkExtensionProperties> ep(ne);
   vkEnumerateDeviceExtensionProperties(phys, nullptr, &ne, ep.data());
-  for (auto& e : ep)  // MoltenVK: a portability-subset device must enable the extension
+  bool has_dot_ext = false;
+  for (auto& e : ep) {  // MoltenVK: a portability-subset device must enable the extension
     if (std::strcmp(e.extensionName, "VK_KHR_portability_subset") == 0) exts.push_back("VK_KHR_portability_subset");
+    if (std::strcmp(e.extensionName, VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME) == 0) has_dot_ext = true;
+  }
+  // Integer dot products (quantized matmul): the extension's feature, when the device has it.
+  VkPhysicalDeviceShaderIntegerDotProductFeaturesKHR dot{};
+  dot.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES_KHR;
+  if (has_dot_ext) {
+    VkPhysicalDeviceFeatures2 f2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+    f2.pNext = &dot;
+    vkGetPhysicalDeviceFeatures2(phys, &f2);
+    int_dot = dot.shaderIntegerDotProduct == VK_TRUE;
+    if (const char* e = std::getenv("PYFAST_VULKAN_INT_DOT"))  // 0: unpacked products (tests both)
+      if (std::strcmp(e, "0") == 0) int_dot = false;
+    if (int_dot) exts.push_back(VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME);
+  }
+  info.integer_dot = int_dot;
+  VkPhysicalDeviceFeatures2 feats{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+  feats.features = want;
+  dot.pNext = nullptr;
+  dot.shaderIntegerDotProduct = VK_TRUE;
+  if (int_dot) feats.pNext = &dot;
   VkDeviceCreateInfo di{VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO};
+  di.pNext = &feats;
   di.queueCreateInfoCount = 1;
   di.pQueueCreateInfos = &qi;
-  di.pEnabledFeatures = &want;
+  di.pEnabledFeatures = nullptr;
   di.enabledExtensionCount = (uint32_t)exts.size();
   di.ppEnabledExtensionNames = exts.data();
   check(vkCreateDevice(phys, &di, nullptr, &dev), "vkCreateDevice");

@@ -1,6 +1,8 @@
 // Which nodes the Vulkan backend runs, and how each is launched (shader, specialization
 // constants, parameters, workgroups). Nodes not listed here run on the CPU (see vk_backend.cpp).
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <cstring>
 
 #include "vulkan/vk_context.h"
@@ -24,7 +26,24 @@ bool decodable(DType t) {  // element types dequant.glsl reads
 
 uint32_t groups_of(int64_t n, int64_t per) { return (uint32_t)((n + per - 1) / per); }
 
+// matmul with a block-quantized weight: the activations are quantized to int8 blocks first and
+// the products are integer dot products (the CPU kernels' scheme); PYFAST_VULKAN_Q8=0 keeps
+// the float path (weights decoded to float).
+bool q8_path(const Node& nd, const Node* const* src) {
+  if (nd.op != Op::matmul || !dtype_is_quantized(src[1]->dtype)) return false;
+  static const bool off = [] {
+    const char* e = std::getenv("PYFAST_VULKAN_Q8");
+    return e && std::string(e) == "0";
+  }();
+  return !off && src[0]->shape.dims[src[0]->shape.ndim - 1] % 32 == 0;
+}
+
 }  // namespace
+
+size_t op_scratch_bytes(const Context&, const Node& nd, const Node* const* src) {
+  if (!q8_path(nd, src)) return 0;
+  return (size_t)(src[0]->shape.numel() / 32) * 40;  // per block: d, d * sum(q), 32 x int8
+}
 
 bool op_supported(const Context& ctx, const Node& nd, const Node* const* src) {
   // Every operand must fit one binding, with 32-bit offsets and strides.
@@ -77,7 +96,23 @@ bool op_supported(const Context& ctx, const Node& nd, const Node* const* src) {
   }
 }
 
-Dispatch op_dispatch(const Node& nd, const Node* const* src) {
+std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& nd, const Node* const* src) {
+  if (q8_path(nd, src)) {
+    const int64_t K = src[0]->shape.dims[src[0]->shape.ndim - 1];
+    const int64_t M = src[0]->shape.numel() / K, N = src[1]->shape.dims[0];
+    Dispatch q;
+    q.shader = "quantize_q8";
+    q.bind = {kScratch, 0};
+    q.groups = groups_of(M * (K / 32), 64);
+    Dispatch m;
+    m.shader = ctx.int_dot ? "matmul_q8_dot" : "matmul_q8";
+    m.spec = {(int32_t)src[1]->dtype};
+    m.bind = {kOut, 0, 1, kScratch};
+    m.groups = (uint32_t)(groups_of(N, 64) * groups_of(M, 4));
+    std::memset(&q.params, 0, sizeof(q.params));
+    std::memset(&m.params, 0, sizeof(m.params));
+    return {q, m};
+  }
   Dispatch d;
   std::memset(&d.params, 0, sizeof(d.params));
   const int64_t numel = nd.shape.numel();
@@ -209,7 +244,7 @@ Dispatch op_dispatch(const Node& nd, const Node* const* src) {
     default:
       throw std::logic_error(std::string("[vulkan] no kernel for ") + op_name(nd.op));
   }
-  return d;
+  return {d};
 }
 
 }  // namespace vk

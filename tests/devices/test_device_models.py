@@ -103,12 +103,35 @@ def test_speculation_lossless_on_device(dev, types):
 
 @dev_param
 def test_smollm2_perplexity_matches_cpu(dev, smollm2_path, shared_dir):
-    """SmolLM2-135M Q4_1 perplexity on a short text within 0.5% of the CPU figure."""
-    text = (shared_dir / "refs" / "ppl_text.txt").read_text()[:700]
-    cpu = pyfast.LLM(smollm2_path, n_ctx=256).perplexity(text, n_ctx=64)
-    gpu = pyfast.LLM(smollm2_path, n_ctx=256, device=dev).perplexity(text, n_ctx=64)
-    assert cpu.n_scored == gpu.n_scored and cpu.n_scored >= 48
+    """SmolLM2-135M Q4_1 perplexity within 0.5% of the CPU figure (378 scored tokens: on much
+    shorter texts the two differ by more, because each quantizes activations in its own way;
+    96 scored tokens differed by 1.4%)."""
+    text = (shared_dir / "refs" / "ppl_text.txt").read_text()[:3000]
+    cpu = pyfast.LLM(smollm2_path, n_ctx=256).perplexity(text, n_ctx=128)
+    gpu = pyfast.LLM(smollm2_path, n_ctx=256, device=dev).perplexity(text, n_ctx=128)
+    assert cpu.n_scored == gpu.n_scored and cpu.n_scored >= 300
     assert abs(gpu.ppl / cpu.ppl - 1) < 0.005, (cpu.ppl, gpu.ppl)
+
+
+@dev_param
+def test_smollm2_logits_match_float64_reference(dev, smollm2_path):
+    """SmolLM2 logits on the device against the float64 numpy implementation: the mean KL
+    divergence per token stays at the level 8-bit activations give (the CPU's is ~0.005)."""
+    from tests.reference.llama_numpy import LlamaRef
+
+    llm = pyfast.LLM(smollm2_path, n_ctx=128, device=dev)
+    toks = llm.tokenize("The quick brown fox jumps over the lazy dog. Rivers flow to the sea, and "
+                        "the sea gives the rain back to the mountains.")[:32]
+    ref = LlamaRef(str(smollm2_path)).logits(toks)
+    got = llm.logits(toks).astype(np.float64)
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lr, lg = log_softmax(ref), log_softmax(got)
+    kl = float((np.exp(lr) * (lr - lg)).sum(-1).mean())
+    assert kl < 0.01, kl
 
 
 @dev_param

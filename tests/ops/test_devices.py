@@ -70,3 +70,44 @@ def test_op_on_device(case, dev):
         SKIPPED[dev] = SKIPPED.get(dev, 0) + 1
         pytest.skip(f"{dev} has no {case.op} kernel for this case (ran on the CPU)")
     check(r.out, r.ref, device_tol(case), f"{case.id} [{dev}]")
+
+
+QUANT_MATMUL = [c for c in CASES if c.op == "matmul" and N.dtype_block_size(c.args[1].dtype) > 1 and not c.xfail]
+
+
+@pytest.mark.skipif(not PARAMS, reason="no non-CPU device")
+@pytest.mark.parametrize("dev", device_names() or ["none"])
+def test_quantized_matmul_uses_int8_products(dev):
+    """A quantized-weight matmul runs as activation quantization + an integer-product kernel, with
+    the device's packed dot product instruction when it has one."""
+    d = open_dev(dev)
+    want = "matmul_q8_dot" if d.info["integer_dot"] else "matmul_q8"
+    for case in QUANT_MATMUL[:6]:
+        from .harness import build_case, make_leaf, seed_of
+        import numpy as np
+
+        rng = np.random.default_rng(seed_of(case.id))
+        leaves = [make_leaf(a, f"in{i}", rng) for i, a in enumerate(case.args)]
+        g = N.Graph()
+        g.output(build_case(g, case, leaves), "out")
+        steps = N.Plan(g, N.ThreadPool(1), d).device_steps["steps"]
+        assert "[quantize_q8]" in steps and f"[{want}]" in steps, steps
+
+
+@pytest.mark.skipif(not PARAMS, reason="no non-CPU device")
+@pytest.mark.parametrize("env", ["PYFAST_VULKAN_INT_DOT=0", "PYFAST_VULKAN_Q8=0"])
+def test_matmul_variants(env):
+    """The other matmul kernels (unpacked integer products; weights decoded to float) pass every
+    matmul case too (run in a subprocess: the switches are read when the device opens)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    k, v = env.split("=")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_op_on_device and matmul",
+                        str(Path(__file__))], cwd=root, env={**os.environ, k: v}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout

@@ -32,6 +32,7 @@ struct DeviceInfo {
   std::string description;   // the driver's device name
   uint64_t memory_bytes = 0; // device-local memory (host RAM for the CPU)
   uint64_t max_buffer_range = 0;  // largest range one kernel argument may span (0: no limit)
+  bool integer_dot = false;       // an opened device uses integer dot product instructions
 };
 
 // Bytes in a device's memory. read / write / zero are synchronous.
