@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pyfast.models.base import GraphBuilder, TensorSpec, attn_scale
 
 ARCH = "llama"
+EXPORTS_HIDDEN = True  # build() outputs "hidden" when the builder asks (embeddings, drafters)
 
 
 @dataclass
@@ -104,7 +105,8 @@ def tensors(args: Args) -> list[TensorSpec]:
 
 
 def build(b: GraphBuilder, args: Args):
-    """Returns logits [n_out, n_vocab] for the rows in b.out_ids."""
+    """Returns logits [n_out, n_vocab] for the rows in b.out_ids (and outputs "hidden" [T, n_embd],
+    the post-final-norm hidden state of every row, when b.export_hidden)."""
     g = b.g
     T, hd = b.shape.n_tokens, args.head_dim
     x = b.embed("token_embd.weight")                                   # [T, n_embd]
@@ -118,10 +120,13 @@ def build(b: GraphBuilder, args: Args):
         k = g.rope(k, b.pos, args.n_rot, 0, args.rope_base, args.rope_scale)
         attn = b.kv_attention(i, q, k, v, attn_scale(hd))             # [T, n_head * hd]
         x = g.add(x, b.linear(attn, f"{p}.attn_output.weight"))
-        if i == args.n_layer - 1:
+        if i == args.n_layer - 1 and not b.export_hidden:
             x = b.select_outputs(x)                                    # [n_out, n_embd]
         h = b.norm(x, f"{p}.ffn_norm.weight", args.eps)
         x = b.control(g.add(x, b.ffn_swiglu(h, p)), i)
     x = b.norm(x, "output_norm.weight", args.eps)
+    if b.export_hidden:
+        g.output(x, "hidden")                                          # [T, n_embd]
+        x = b.select_outputs(x)
     out_w = "token_embd.weight" if args.tied else "output.weight"
     return b.linear(x, out_w)                                          # [n_out, n_vocab]
