@@ -58,6 +58,9 @@ class SamplingParams:
     seed:              RNG seed (None = fresh entropy each Sampler).
     logit_bias:        token id -> value added to its logit before anything else (OpenAI's
                        ``logit_bias``; -inf bans a token). None or {} disables.
+    constraint:        a compiled grammar (:func:`pyfast.constrain.compile_constraint`): each
+                       Sampler follows it with its own matcher, masking the tokens it cannot
+                       take next before the rest of the chain. None disables.
     """
 
     temperature: float = 0.8
@@ -70,6 +73,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     logit_bias: dict[int, float] | None = None
+    constraint: object | None = None
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +131,9 @@ class SamplingParams:
                 if isinstance(b, bool) or not isinstance(b, (int, float, np.integer, np.floating)) or math.isnan(b) \
                         or b == math.inf:
                     raise ValueError(f"SamplingParams.logit_bias[{t}] must be a finite number or -inf, got {b!r}")
+        if self.constraint is not None and not callable(getattr(self.constraint, "matcher", None)):
+            raise ValueError("SamplingParams.constraint must be a compiled grammar "
+                             f"(pyfast.constrain.compile_constraint), got {type(self.constraint).__name__}")
         return self
 
 
@@ -147,10 +154,12 @@ class Sampler:
         self._ubuf: list[float] = []
         self._ui = 0
         self._bias_ids = self._bias_vals = None
-        self._plain_greedy = params.greedy and not params.logit_bias and not self._penalties_active()
+        # the constraint stage: this sequence's matcher (masks logits, advanced by every sampled token)
+        self.matcher = params.constraint.matcher() if params.constraint is not None else None
+        plain = not params.logit_bias and not self._penalties_active() and self.matcher is None
+        self._plain_greedy = params.greedy and plain
         # the per-token fast path: the native chain on the raw logits
-        self._plain_topk = (not params.greedy and not params.logit_bias and not self._penalties_active()
-                            and 0 < params.top_k < self.n_vocab)
+        self._plain_topk = not params.greedy and plain and 0 < params.top_k < self.n_vocab
         if params.logit_bias:
             ids = np.fromiter((int(t) for t in params.logit_bias), dtype=np.int64)
             if ids.max() >= self.n_vocab:
@@ -201,6 +210,8 @@ class Sampler:
         when no bias or penalty applies.
         """
         x = self._check_logits(logits)
+        if self.matcher is not None:  # the constraint stage (returns a copy)
+            x = self.matcher.apply(x)
         if self._bias_ids is not None:
             x = x.copy()
             x[self._bias_ids] += self._bias_vals
@@ -285,7 +296,17 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = (), argmax: int | None = None) -> int:
         """Sample one token id from ``logits`` (float32 [n_vocab]) given the token ``history``.
-        argmax: the row's first maximum when the caller has it (the plan computes it)."""
+        argmax: the row's first maximum when the caller has it (the plan computes it).
+        With a constraint, the token is also consumed by this sampler's matcher: every token
+        sample returns must be part of the sequence (the speculative verifier samples row by
+        row and keeps every token it draws)."""
+        if self.matcher is not None:
+            t = self._sample(logits, history, None)
+            self.matcher.consume(t)
+            return t
+        return self._sample(logits, history, argmax)
+
+    def _sample(self, logits: np.ndarray, history: Sequence[int], argmax: int | None) -> int:
         if self._plain_greedy and type(logits) is np.ndarray and logits.dtype == np.float32 \
                 and logits.shape == (self.n_vocab,):
             # the per-token fast path: nothing modifies the logits

@@ -2,7 +2,11 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming for both),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST /tokenize``,
-``POST /detokenize``. Every error is an OpenAI-style body
+``POST /detokenize``, ``POST /v1/embeddings``, and llama-server's native routes
+(``POST /completion``, ``GET /props``, ``GET /slots``, ``POST /apply-template``; ``native.py``).
+Any model name is served by the one model unless ``--strict-model-name``. Output can be
+constrained (``response_format``, ``json_schema``, ``grammar``, ``regex``: ``pyfast.constrain``)
+and tool calls are parsed from it (``tools.py``). CORS: ``cors.py``. Every error is an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
 
 Request bodies are parsed by pydantic straight from the raw bytes (``model_validate_json``), so
@@ -28,6 +32,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -38,11 +43,12 @@ from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyfast import __version__
+from pyfast.constrain import ConstraintError
 from pyfast.sampling import SamplingParams
 from pyfast.server.engine import Engine, EngineStopped, Event, GenParams, Job, JobStats, QueueFull
 from pyfast.server.limits import Drain, Limits
-from pyfast.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   TokenizeRequest)
+from pyfast.server.schemas import (ApplyTemplateRequest, ChatCompletionRequest, CompletionRequest,
+                                   DetokenizeRequest, TokenizeRequest)
 
 MAX_BODY_BYTES = Limits.max_body_bytes
 MAX_TOKENIZE_BYTES = 1 << 20  # /tokenize content (at least; more when a slot's context holds more)
@@ -51,7 +57,41 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 _ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
                      "/v1/models", "/models", "/health", "/v1/health", "/metrics", "/tokenize",
-                     "/detokenize"})
+                     "/detokenize", "/completion", "/props", "/slots", "/apply-template", "/v1/embeddings",
+                     "/embeddings"})
+
+
+@dataclass
+class ServerOptions:
+    """Server-wide behaviour set by ``pyfast serve`` flags.
+
+    strict_model_name: a request naming another model than this server's gets 404 (otherwise
+    any name is served by the one model, as llama-server does). cors_origins: see ``cors.py``.
+    n_predict / temperature / seed: defaults for requests that do not set them (llama-server's
+    ``--n-predict``, ``--temp``, ``--seed``; n_predict -1 = until the context is full).
+    pooling: how /v1/embeddings pools the final hidden states (mean, last or cls).
+    """
+
+    strict_model_name: bool = False
+    cors_origins: list[str] = field(default_factory=lambda: ["localhost"])
+    n_predict: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    pooling: str = "mean"
+
+    def validate(self) -> "ServerOptions":
+        if self.n_predict is not None and self.n_predict < -1:
+            raise ValueError(f"--n-predict must be >= -1 (-1 = until the context is full), got {self.n_predict}")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"--temp must be in [0, 2], got {self.temperature}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
+        if self.pooling not in ("mean", "last", "cls"):
+            raise ValueError(f"--pooling must be mean, last or cls, got {self.pooling!r}")
+        from pyfast.server.cors import CorsPolicy
+
+        CorsPolicy.parse(self.cors_origins)  # a bad origin fails at start
+        return self
 
 
 class APIError(Exception):
@@ -132,12 +172,17 @@ class _Guard:
 
 
 def create_app(engine: Engine, api_keys: list[str] | None = None, limits: Limits | None = None,
-               drain: Drain | None = None) -> FastAPI:
+               drain: Drain | None = None, options: ServerOptions | None = None) -> FastAPI:
     """The FastAPI application serving ``engine``; the engine's scheduler runs while the app
     does (started and stopped by the app's lifespan). ``limits``: request bounds (defaults:
     :class:`Limits`); ``drain``: the shutdown state a :class:`~pyfast.server.limits.GracefulServer`
-    starts on SIGTERM (running requests then get ``drain.timeout`` seconds)."""
+    starts on SIGTERM (running requests then get ``drain.timeout`` seconds); ``options``:
+    :class:`ServerOptions` (model names, CORS, request defaults)."""
+    from pyfast.server.cors import CorsMiddleware, CorsPolicy
+    from pyfast.server import native
+
     limits = (limits or Limits()).validate()
+    options = (options or ServerOptions()).validate()
     drain = drain or Drain(limits.shutdown_timeout)
 
     @asynccontextmanager
@@ -167,7 +212,7 @@ def create_app(engine: Engine, api_keys: list[str] | None = None, limits: Limits
     async def _internal(request: Request, e: Exception):
         return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
-    api = _API(engine, limits, drain)
+    api = _API(engine, limits, drain, options)
     app.state.api = api
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/health", api.health, methods=["GET"])
@@ -180,7 +225,10 @@ def create_app(engine: Engine, api_keys: list[str] | None = None, limits: Limits
     app.add_api_route("/completions", api.completions, methods=["POST"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/apply-template", api.apply_template, methods=["POST"])
+    native.add_routes(app, api)
     app.add_middleware(_Guard, engine=engine, api_keys=list(api_keys or []), drain=drain)
+    app.add_middleware(CorsMiddleware, policy=CorsPolicy.parse(options.cors_origins))  # outermost
     return app
 
 
@@ -253,10 +301,14 @@ def _is_type_tag(p: str) -> bool:
 
 
 class _API:
-    def __init__(self, engine: Engine, limits: Limits | None = None, drain: Drain | None = None):
+    def __init__(self, engine: Engine, limits: Limits | None = None, drain: Drain | None = None,
+                 options: ServerOptions | None = None):
         self.engine = engine
         self.limits = limits or Limits()
         self.drain = drain
+        self.options = options or ServerOptions()
+        self._grammars: dict = {}  # compiled constraints, most recent last (bounded)
+        self._grammar_lock = threading.Lock()
         import anyio
 
         self.prepare_limiter = anyio.CapacityLimiter(self.limits.max_prepare)
@@ -323,7 +375,10 @@ class _API:
         if n > limit:  # tokenizing costs CPU in proportion (a 20 MB text took 46 s)
             raise APIError(400, f"content: {n} bytes is more than /tokenize takes ({limit})", param="content")
         try:
-            ids = await self._prepare(request, lambda _stop: tok.encode(req.content, req.add_special, req.parse_special))
+            # add_special adds BOS only when the vocabulary says so (tokenizer.ggml.add_bos_token), as llama.cpp
+            ids = await self._prepare(request, lambda _stop: tok.encode(req.content, None if req.add_special else False,
+                                                                        req.parse_special,
+                                                                        add_eos=None if req.add_special else False))
         except (ValueError, TypeError) as e:
             raise APIError(400, f"content: {e}", param="content") from None
         if req.with_pieces:
@@ -341,7 +396,7 @@ class _API:
 
     # --- generation ------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> None:
-        if name is None:
+        if name is None or not self.options.strict_model_name:
             return
         e = self.engine
         accepted = {e.model_id, e.model_path, os.path.basename(e.model_path)}
@@ -355,14 +410,7 @@ class _API:
             if not 0 <= t < n:
                 raise APIError(400, f"{param}: token id {t} is outside the vocabulary [0, {n})", param=param)
 
-    async def chat(self, request: Request) -> Response:
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, self.limits)
-        self._check_model(req.model)
-        e = self.engine
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
-        if e.chat_template is None:
-            raise APIError(500, f"the model's chat template cannot be used: {e.template_error}", "server_error")
+    def _messages(self, req) -> list[dict]:
         messages = []
         for i, m in enumerate(req.messages):
             d = {"role": m.role, "content": _content_text(m.content, i)}
@@ -370,28 +418,190 @@ class _API:
                 v = getattr(m, k)
                 if v is not None:
                     d[k] = v
+            if d.get("tool_calls"):
+                from pyfast.server.tools import normalize_tool_calls
+
+                try:
+                    d["tool_calls"] = normalize_tool_calls(d["tool_calls"])
+                except ValueError as err:
+                    raise APIError(400, f"messages[{i}].tool_calls: {err}", param=f"messages.{i}.tool_calls") from None
             messages.append(d)
+        return messages
+
+    def _prefill(self, req, messages: list[dict]) -> bool:
+        """True when the reply continues the last message (an assistant prefill): asked with
+        continue_final_message, or (as llama-server does) when the conversation ends with an
+        assistant message and neither flag says otherwise."""
+        last_is_assistant = messages[-1]["role"] == "assistant"
+        if req.continue_final_message:
+            if not last_is_assistant:
+                raise APIError(400, "continue_final_message: the last message must be the assistant's "
+                                    f"(got role {messages[-1]['role']!r})", param="continue_final_message")
+            if req.add_generation_prompt:
+                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                               param="add_generation_prompt")
+            return True
+        if req.continue_final_message is None and req.add_generation_prompt is None:
+            return last_is_assistant and bool(messages[-1].get("content"))
+        return False
+
+    def _render_chat(self, req, messages: list[dict], tools, should_stop, protect) -> str:
+        """The prompt text of a chat request (template kwargs, tools, prefill applied)."""
+        e = self.engine
         kwargs = dict(req.chat_template_kwargs or {})
         for k in ("messages", "tools", "add_generation_prompt", "time_limit", "should_stop", "protect"):
             kwargs.pop(k, None)
+        if self._prefill(req, messages):
+            text = e.chat_template.render(messages, add_generation_prompt=False, tools=tools,
+                                          should_stop=should_stop, protect=protect, **kwargs)
+            content = messages[-1].get("content") or ""
+            if protect:  # the template saw the protected content
+                from pyfast.chat import _protect
+
+                content = _protect([messages[-1]], protect)[0].get("content") or ""
+            cut = text.rfind(content) if content else -1
+            if cut < 0:
+                raise ValueError("the chat template does not show the final assistant message's content, so the "
+                                 "reply cannot continue it")
+            return text[:cut + len(content)]
+        add = True if req.add_generation_prompt is None else req.add_generation_prompt
+        return e.chat_template.render(messages, add_generation_prompt=add, tools=tools, should_stop=should_stop,
+                                      protect=protect, **kwargs)
+
+    async def chat(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, self.limits)
+        self._check_model(req.model)
+        e = self.engine
+        if e.chat_template is None:
+            raise APIError(500, f"the model's chat template cannot be used: {e.template_error}", "server_error")
+        messages = self._messages(req)
+        from pyfast.server.tools import ToolPlan
+
+        try:
+            plan = ToolPlan.from_request(req.tools, req.tool_choice, req.parallel_tool_calls, e.chat_template)
+        except ValueError as err:
+            raise APIError(400, str(err), param=getattr(err, "param", None) or "tools") from None
+        if plan.active and plan.system_prompt:  # a template that does not render tools: describe them
+            if messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
+                messages[0] = dict(messages[0], content=plan.system_prompt + "\n\n" + messages[0]["content"])
+            else:
+                messages.insert(0, {"role": "system", "content": plan.system_prompt})
+        constraint = self._constraint(req, chat=True)
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise APIError(400, f"tool_choice {plan.choice_name!r} cannot be combined with a response format, "
+                                    "grammar or JSON schema", param="tool_choice")
+            constraint = plan.constraint
         # content that cannot fit is refused before the template runs
         self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
                               if isinstance(m["content"], str)), "messages")
         protect = None if req.parse_special else self.special_texts
 
-        def render(should_stop) -> list[int]:
-            text = e.chat_template.render(messages, add_generation_prompt=True, tools=req.tools,
-                                          should_stop=should_stop, protect=protect, **kwargs)
+        def render(should_stop) -> tuple[list[int], object]:
+            text = self._render_chat(req, messages, plan.template_tools, should_stop, protect)
             self._check_bytes(len(text.encode("utf-8", "surrogatepass")), "messages")
-            return e.tokenizer.encode_rendered(text) if protect else e.tokenizer.encode(text)
+            ids = e.tokenizer.encode_rendered(text) if protect else e.tokenizer.encode(text)
+            return ids, self._compile(constraint)
 
         try:
-            prompt = await self._prepare(request, render)
+            prompt, grammar = await self._prepare(request, render)
+        except ConstraintError as err:
+            raise APIError(400, f"{err.param}: {err}" if err.param else str(err), param=err.param) from None
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens(req, None)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._generate(request, req, [prompt], max_tokens, k, chat=True)
+        return await self._generate(request, req, [prompt], max_tokens, k, chat=True, grammar=grammar, tools=plan)
+
+    async def apply_template(self, request: Request) -> Response:
+        """llama-server's ``POST /apply-template``: the prompt text a chat request would be
+        given, without generating."""
+        req: ApplyTemplateRequest = await _parse(request, ApplyTemplateRequest, self.limits)
+        e = self.engine
+        if e.chat_template is None:
+            raise APIError(500, f"the model's chat template cannot be used: {e.template_error}", "server_error")
+        messages = self._messages(req)
+        self._check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
+                              if isinstance(m["content"], str)), "messages")
+        try:
+            text = await self._prepare(request, lambda stop: self._render_chat(req, messages, req.tools, stop, None))
+        except (ValueError, TypeError) as err:
+            raise APIError(400, str(err), param="messages") from None
+        return JSONResponse({"prompt": text})
+
+    # --- constraints and defaults -----------------------------------------------------------
+    def _default_max_tokens(self, req, fallback: int | None) -> int | None:
+        """max_tokens when the request gives none: its n_predict, else --n-predict, else
+        ``fallback`` (-1 means until the slot's context is full)."""
+        n = req.n_predict if req.n_predict is not None else self.options.n_predict
+        if n is None:
+            return fallback
+        return None if n < 0 else n
+
+    def _constraint(self, req, chat: bool):
+        """The request's output constraint (pyfast.constrain.Constraint) or None."""
+        from pyfast.constrain import Constraint
+
+        found = []
+        rf = getattr(req, "response_format", None) if chat else None
+        if rf is not None:
+            t = rf.get("type", "text")
+            if t == "text":
+                pass
+            elif t == "json_object":
+                schema = rf.get("schema")  # llama-server also takes a schema here
+                found.append(Constraint.json_schema(schema, "response_format.schema") if schema is not None
+                             else Constraint.json_object())
+            elif t == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict):
+                    raise APIError(400, "response_format.json_schema: expected an object with a 'schema'",
+                                   param="response_format.json_schema")
+                schema = js.get("schema")
+                if schema is None:
+                    raise APIError(400, "response_format.json_schema.schema: missing",
+                                   param="response_format.json_schema.schema")
+                found.append(Constraint.json_schema(schema, "response_format.json_schema.schema"))
+            else:
+                raise APIError(400, f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {t!r}",
+                               param="response_format.type")
+        if req.json_schema is not None:
+            found.append(Constraint.json_schema(req.json_schema, "json_schema"))
+        if req.guided_json is not None:
+            found.append(Constraint.json_schema(req.guided_json, "guided_json"))
+        if req.grammar is not None:
+            found.append(Constraint.gbnf(req.grammar, "grammar"))
+        if req.guided_grammar is not None:
+            found.append(Constraint.gbnf(req.guided_grammar, "guided_grammar"))
+        if req.regex is not None:
+            found.append(Constraint.regex(req.regex, "regex"))
+        if req.guided_regex is not None:
+            found.append(Constraint.regex(req.guided_regex, "guided_regex"))
+        if len(found) > 1:
+            names = ", ".join(c.param for c in found)
+            raise APIError(400, f"only one output constraint per request, got {names}", param=found[1].param)
+        return found[0] if found else None
+
+    def _compile(self, constraint):
+        """The compiled grammar of a constraint (cached; runs in a worker thread)."""
+        if constraint is None:
+            return None
+        from pyfast.constrain import compile_constraint
+
+        key = (constraint.kind, json.dumps(constraint.source, sort_keys=True, default=str), constraint.param)
+        with self._grammar_lock:
+            g = self._grammars.pop(key, None)
+            if g is not None:
+                self._grammars[key] = g
+                return g
+        g = compile_constraint(constraint, self.engine.tokenizer, self.engine.n_vocab)
+        with self._grammar_lock:
+            self._grammars[key] = g
+            while len(self._grammars) > 64:
+                self._grammars.pop(next(iter(self._grammars)))
+        return g
 
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest, self.limits)
@@ -422,12 +632,37 @@ class _API:
             raise APIError(400, f"prompt: {err}", param="prompt") from None
         for x in prompts:
             self._check_ids(x, "prompt")
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        return await self._generate(request, req, prompts, max_tokens, req.logprobs, chat=False)
+        grammar = await self._grammar_of(request, req, chat=False)
+        max_tokens = self._default_max_tokens(req, 16) if req.max_tokens is None else req.max_tokens
+        return await self._generate(request, req, prompts, max_tokens, req.logprobs, chat=False, grammar=grammar)
+
+    async def _grammar_of(self, request: Request, req, chat: bool):
+        constraint = self._constraint(req, chat)
+        if constraint is None:
+            return None
+        try:
+            return await self._prepare(request, lambda _stop: self._compile(constraint))
+        except ConstraintError as err:
+            raise APIError(400, f"{err.param}: {err}" if err.param else str(err), param=err.param) from None
 
     async def _generate(self, request: Request, req, prompts: list[list[int]], max_tokens: int | None,
-                        logprobs: int | None, chat: bool) -> Response:
+                        logprobs: int | None, chat: bool, grammar=None, tools=None) -> Response:
+        jobs, queue = self._submit(req, prompts, max_tokens, logprobs, chat, grammar)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        fmt = _Formatter(self.engine, rid, chat, logprobs is not None, len(prompts), req, tools)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_sse(fmt, jobs, queue, include_usage, self.engine, self.drain),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _collect(request, fmt, jobs, queue, self.engine, self.drain)
+
+    def _submit(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, chat: bool,
+                grammar=None, n: int | None = None) -> tuple[list[Job], asyncio.Queue]:
+        """Check a request's generation settings, make its jobs (``n`` per prompt; default
+        ``req.n``) and queue them; returns the jobs and the queue their events arrive on."""
         e = self.engine
+        n = req.n if n is None else n
         n_slot = e.n_ctx_slot
         if max_tokens is not None and max_tokens > n_slot:
             raise APIError(400, f"max_tokens is too large: {max_tokens}; a slot holds at most {n_slot} "
@@ -442,6 +677,11 @@ class _API:
         base = {k: getattr(req, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                               "repeat_last_n", "frequency_penalty", "presence_penalty")
                 if getattr(req, k) is not None}
+        if "temperature" not in base and self.options.temperature is not None:  # --temp
+            base["temperature"] = self.options.temperature
+        if grammar is not None:
+            base["constraint"] = grammar
+        req_seed = req.seed if req.seed is not None else self.options.seed  # --seed
         rp = base.get("repeat_penalty")
         if rp is not None and not REPEAT_PENALTY_RANGE[0] <= rp <= REPEAT_PENALTY_RANGE[1]:
             raise APIError(400, f"repeat_penalty must be in [{REPEAT_PENALTY_RANGE[0]:g}, {REPEAT_PENALTY_RANGE[1]:g}] "
@@ -462,10 +702,10 @@ class _API:
                 raise APIError(400, f"logit_bias bans every token of the vocabulary ({e.n_vocab}); nothing could be "
                                     "generated", param="logit_bias")
             base["logit_bias"] = bias
-        n_jobs = len(prompts) * req.n
+        n_jobs = len(prompts) * n
         capacity = e.cfg.max_queue + e.cfg.n_parallel
         if n_jobs > capacity:
-            raise APIError(400, f"the request asks for {n_jobs} sequences ({len(prompts)} prompts x n={req.n}); this "
+            raise APIError(400, f"the request asks for {n_jobs} sequences ({len(prompts)} prompts x n={n}); this "
                                 f"server holds at most {capacity} at once (--parallel {e.cfg.n_parallel} + --max-queue "
                                 f"{e.cfg.max_queue})", param="n", code="request_too_large")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -473,8 +713,8 @@ class _API:
         queue: asyncio.Queue = asyncio.Queue()
         jobs = []
         for pi, p in enumerate(prompts):
-            for j in range(req.n):
-                seed = None if req.seed is None else (req.seed + j) % (2**63)
+            for j in range(n):
+                seed = None if req_seed is None else (req_seed + j) % (2**63)
                 sp = SamplingParams(**base, seed=seed)
                 try:
                     sp.validate()
@@ -483,21 +723,14 @@ class _API:
                     raise APIError(400, str(err), param=field) from None
                 gp = GenParams(max_tokens=max_tokens, sampling=sp, stop=stop, ignore_eos=req.ignore_eos,
                                logprobs=logprobs)
-                jobs.append(Job(p, gp, queue, index=pi * req.n + j))
+                jobs.append(Job(p, gp, queue, index=pi * n + j))
         try:
             e.submit(jobs)
         except QueueFull as err:
             raise APIError(503, str(err), "server_error", code="queue_full") from None
         except EngineStopped as err:
             raise APIError(503, str(err), "server_error", code="unavailable") from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        fmt = _Formatter(e, rid, chat, logprobs is not None, len(prompts), req)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(fmt, jobs, queue, include_usage, e, self.drain),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, fmt, jobs, queue, e, self.drain)
+        return jobs, queue
 
 
 def _content_text(content, i: int) -> str | None:
@@ -509,7 +742,7 @@ def _content_text(content, i: int) -> str | None:
             raise APIError(400, f"messages[{i}].content: only text parts are supported, got {part.type!r}",
                            param=f"messages.{i}.content")
         parts.append(part.text)
-    return "".join(parts)
+    return "\n".join(parts)  # as llama-server joins text parts
 
 
 def _piece(tok, i: int) -> str:
@@ -519,8 +752,10 @@ def _piece(tok, i: int) -> str:
 class _Formatter:
     """Builds OpenAI response objects from engine events."""
 
-    def __init__(self, engine: Engine, rid: str, chat: bool, logprobs: bool, n_prompts: int, req):
+    def __init__(self, engine: Engine, rid: str, chat: bool, logprobs: bool, n_prompts: int, req, tools=None):
         self.engine = engine
+        self.tools = tools if tools is not None and tools.active else None
+        self._tool_streams: dict = {}
         self.id = rid
         self.chat = chat
         self.logprobs = logprobs
@@ -529,6 +764,28 @@ class _Formatter:
         self.n_prompts = n_prompts
         self.offsets: dict[int, int] = {}  # completions text_offset per choice
         self.echo = (not chat) and bool(getattr(req, "echo", False))
+
+    def tool_stream(self, index: int):
+        """The choice's ToolStream (None when no tools are parsed)."""
+        if self.tools is None:
+            return None
+        ts = self._tool_streams.get(index)
+        if ts is None:
+            ts = self._tool_streams[index] = self.tools.stream()
+        return ts
+
+    def tool_call_chunks(self, index: int, calls: list[dict]) -> list[dict]:
+        """OpenAI's streamed form of finished calls: per call, its id, type and name, then its
+        arguments."""
+        out = []
+        for k, c in enumerate(calls):
+            for d in ({"index": k, "id": c["id"], "type": "function",
+                       "function": {"name": c["function"]["name"], "arguments": ""}},
+                      {"index": k, "function": {"arguments": c["function"]["arguments"]}}):
+                ch = self.chunk(index, None, None, None)
+                ch["choices"][0]["delta"] = {"tool_calls": [d]}
+                out.append(ch)
+        return out
 
     def _tok(self, t: int) -> tuple[str, list[int]]:
         b = self.engine.tokenizer.token_piece(t)
@@ -679,13 +936,27 @@ async def _sse(fmt: _Formatter, jobs: list[Job], queue: asyncio.Queue, include_u
                 yield b"data: [DONE]\n\n"
                 return
             i = ev.job.index
+            ts = fmt.tool_stream(i) if fmt.chat else None
             if ev.kind == "delta":
-                yield _sse_line(fmt.chunk(i, ev.text, ev.logprobs, None))
+                text = ts.feed(ev.text) if ts is not None else ev.text
+                if text or ts is None or ev.logprobs:
+                    yield _sse_line(fmt.chunk(i, text, ev.logprobs, None))
             elif ev.kind == "done":
                 pending -= 1
-                if ev.text or ev.logprobs:
-                    yield _sse_line(fmt.chunk(i, ev.text, ev.logprobs, None))
-                last = fmt.chunk(i, None if fmt.chat else "", None, ev.finish_reason)
+                finish = ev.finish_reason
+                text = ev.text
+                calls = []
+                if ts is not None:
+                    text = ts.feed(ev.text)
+                    rest, calls = ts.finish()
+                    text += rest
+                if text or ev.logprobs:
+                    yield _sse_line(fmt.chunk(i, text, ev.logprobs, None))
+                if calls:
+                    for ch in fmt.tool_call_chunks(i, calls):
+                        yield _sse_line(ch)
+                    finish = "tool_calls"
+                last = fmt.chunk(i, None if fmt.chat else "", None, finish)
                 last["timings"] = fmt.timings([ev.stats])
                 yield _sse_line(last)
             else:
@@ -748,8 +1019,16 @@ async def _collect(request: Request, fmt: _Formatter, jobs: list[Job], queue: as
         text = "".join(texts[i])
         lp = fmt.logprobs_obj(i, lps[i])
         if fmt.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": finish[i]})
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = finish[i]
+            if fmt.tools is not None:
+                from pyfast.server.tools import parse_calls
+
+                content, calls = parse_calls(fmt.tools, text)
+                if calls:
+                    msg = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    reason = "tool_calls"
+            choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": reason})
         else:
             if fmt.echo:
                 text = engine.tokenizer.decode(j.prompt) + text

@@ -37,6 +37,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="require this key (Authorization: Bearer KEY); may be repeated")
     p.add_argument("--api-key-file", default=None, help="file with one API key per line")
     p.add_argument("-a", "--alias", default=None, help="model id reported by /v1/models")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to requests naming another model than this server's (default: any name is "
+                        "served by the one model, as llama-server does)")
+    p.add_argument("--cors-origins", default="localhost",
+                   help="comma-separated origins whose browser pages may call the API: 'localhost' (default: "
+                        "http(s)://localhost, 127.0.0.1 and [::1] on any port), exact origins "
+                        "(https://app.example:8443), '*' for any origin, or 'none'")
+    p.add_argument("-n", "--n-predict", type=int, default=None,
+                   help="default most tokens per reply for requests that set none (-1 = until the context is full)")
+    p.add_argument("--temp", type=float, default=None, help="default temperature for requests that set none")
+    p.add_argument("-s", "--seed", type=int, default=None, help="default seed for requests that set none")
+    p.add_argument("--pooling", default="mean", choices=["mean", "last", "cls"],
+                   help="how /v1/embeddings pools the final hidden states (default mean)")
     p.add_argument("--spec-type", default="none",
                    help="speculative proposers, comma-separated in the order asked (e.g. ngram-simple); "
                         "default none")
@@ -74,7 +87,7 @@ def serve_from_args(a: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from pyfast.server.app import create_app
+        from pyfast.server.app import ServerOptions, create_app
         from pyfast.server.limits import Drain, GracefulServer, Limits, header_timeout_protocol
         from pyfast.server.engine import Engine, EngineConfig
         from pyfast.server.spec import SpecConfig
@@ -85,6 +98,8 @@ def serve_from_args(a: argparse.Namespace) -> int:
     if not 0 < a.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {a.port}")
     keys = read_api_keys(a.api_key, a.api_key_file)
+    options = ServerOptions(strict_model_name=a.strict_model_name, cors_origins=a.cors_origins.split(","),
+                            n_predict=a.n_predict, temperature=a.temp, seed=a.seed, pooling=a.pooling).validate()
     limits = Limits(body_timeout=a.body_timeout, body_idle_timeout=min(10.0, a.body_timeout),
                     header_timeout=a.header_timeout, shutdown_timeout=a.shutdown_timeout).validate()
     logging.basicConfig(level=getattr(logging, a.log_level.upper()), format="%(levelname)s: %(message)s")
@@ -100,7 +115,7 @@ def serve_from_args(a: argparse.Namespace) -> int:
     logging.info("model %s: %d slots x %d tokens, listening on http://%s:%d", engine.model_id,
                  cfg.n_parallel, engine.n_ctx_slot, a.host, a.port)
     drain = Drain(limits.shutdown_timeout)
-    app = create_app(engine, api_keys=keys, limits=limits, drain=drain)
+    app = create_app(engine, api_keys=keys, limits=limits, drain=drain, options=options)
     # uvicorn's own grace period is a backstop: the app ends its requests at shutdown_timeout
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.log_level == "debug",
                             http=header_timeout_protocol(limits.header_timeout),

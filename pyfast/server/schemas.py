@@ -2,11 +2,14 @@
 
 Unknown fields are accepted and ignored, as clients send fields a server may not implement.
 Extensions beyond the OpenAI API follow llama-server's names (``top_k``, ``min_p``,
-``repeat_penalty``, ``ignore_eos``).
+``repeat_penalty``, ``ignore_eos``, ``n_predict``, ``json_schema``, ``grammar``, ``cache_prompt``)
+and vLLM's (``continue_final_message``, ``add_generation_prompt``, ``guided_json``,
+``guided_regex``, ``guided_grammar``). ``NativeCompletionRequest`` is llama-server's
+``POST /completion``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,6 +61,17 @@ class _Sampling(_Strict):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     user: Optional[str] = None
+    # llama-server: n_predict (-1 = until the context is full) when max_tokens is not given
+    n_predict: Optional[Annotated[int, Field(ge=-1)]] = None
+    cache_prompt: bool = True  # the prompt cache is always used; accepted for compatibility
+    # constrained output (pyfast.constrain): llama-server's json_schema / grammar, a regex, and
+    # vLLM's guided_* names; at most one of them (and response_format) per request
+    json_schema: Union[dict, bool, None] = None
+    grammar: Optional[str] = None
+    regex: Optional[str] = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -66,8 +80,14 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     response_format: Optional[dict] = None
-    tools: Optional[list[dict]] = None
+    tools: Optional[Annotated[list[dict], Field(max_length=256)]] = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict] = None
+    # assistant prefill: the reply continues the last (assistant) message (vLLM's names; as in
+    # llama-server, a conversation ending with an assistant message is continued by default)
+    continue_final_message: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = None
     # special-token text in message content ("<|im_end|>") is plain text unless the caller,
     # trusting its messages, asks for it to be parsed (llama-server's parse_special)
     parse_special: bool = False
@@ -99,3 +119,40 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     tokens: list[int]
 
+
+
+class ApplyTemplateRequest(_Strict):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Optional[Annotated[list[dict], Field(max_length=256)]] = None
+    chat_template_kwargs: Optional[dict] = None
+    continue_final_message: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = None
+
+
+NativePrompt = Union[str, Annotated[list[Union[int, str]], Field(min_length=1)]]
+
+
+class NativeCompletionRequest(_Sampling):
+    """llama-server's ``POST /completion``: ``prompt`` is a string, token ids, or a mix of both
+    (the strings tokenized in place), ``n_predict`` caps the reply (-1: until the slot's context
+    is full), ``n_probs`` adds each token's top-n probabilities, ``stop`` is a list of strings."""
+
+    prompt: NativePrompt
+    n_probs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    id_slot: Optional[int] = None
+    return_tokens: bool = True
+
+
+class EmbeddingRequest(_Strict):
+    input: Union[
+        Annotated[str, Field(max_length=1 << 24)],
+        Annotated[list[str], Field(min_length=1, max_length=2048)],
+        Annotated[list[int], Field(min_length=1)],
+        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=2048)],
+    ]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    pooling: Optional[Literal["mean", "last", "cls"]] = None
+    normalize: bool = True
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
