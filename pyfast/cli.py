@@ -59,6 +59,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    g = p.add_argument_group("constrained output (one of)")
+    g.add_argument("--grammar", default=None, help="GBNF grammar the output must match (root rule 'root')")
+    g.add_argument("--grammar-file", default=None, help="file holding a GBNF grammar")
+    g.add_argument("-j", "--json-schema", default=None, help="JSON schema the output must match ('{}' = any JSON)")
+    g.add_argument("--json-schema-file", default=None, help="file holding a JSON schema")
 
 
 def _add_spec(p: argparse.ArgumentParser, bench: bool = False) -> None:
@@ -97,8 +102,23 @@ def _spec_config(a, types: str | None = None):
 
 
 def _sampling_kwargs(a) -> dict:
-    return dict(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                repeat_penalty=a.repeat_penalty, seed=a.seed)
+    kw = dict(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+              repeat_penalty=a.repeat_penalty, seed=a.seed)
+    grammar, schema = getattr(a, "grammar", None), getattr(a, "json_schema", None)
+    given = [f for f in ("grammar", "grammar_file", "json_schema", "json_schema_file") if getattr(a, f, None)]
+    if len(given) > 1:
+        raise ValueError("give at most one of --grammar, --grammar-file, --json-schema, --json-schema-file")
+    if getattr(a, "grammar_file", None):
+        with open(a.grammar_file, encoding="utf-8") as f:
+            grammar = f.read()
+    if getattr(a, "json_schema_file", None):
+        with open(a.json_schema_file, encoding="utf-8") as f:
+            schema = f.read()
+    if grammar is not None:
+        kw["grammar"] = grammar
+    if schema is not None:
+        kw["json_schema"] = schema
+    return kw
 
 
 def _load(a):

@@ -200,8 +200,12 @@ class LLM:
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  logit_bias: dict[int, float] | None = None,
                  params: SamplingParams | None = None, add_bos: bool | None = None, special: bool = True,
-                 ignore_eos: bool = False, stream: bool = False, speculative: bool | None = None):
+                 ignore_eos: bool = False, stream: bool = False, speculative: bool | None = None,
+                 json_schema: dict | str | bool | None = None, grammar: str | None = None, regex: str | None = None):
         """Complete a raw prompt (text or token ids).
+
+        json_schema / grammar (GBNF) / regex: constrain the output (at most one;
+        ``pyfast.constrain``); an invalid one raises ``ConstraintError`` (a ValueError).
 
         Returns a GenerationResult, or with stream=True an iterator of StreamChunk whose last
         chunk carries the full result. temperature <= 0 means greedy decoding.
@@ -212,6 +216,8 @@ class LLM:
         sp = _sampling_params(params, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, seed=seed, logit_bias=logit_bias)
+        if json_schema is not None or grammar is not None or regex is not None:
+            sp = self._constrained(sp, json_schema, grammar, regex)
         if isinstance(prompt, str):
             ptoks = self.tokenize(prompt, add_bos=add_bos, special=special)
         else:
@@ -228,6 +234,18 @@ class LLM:
         for chunk in it:
             last = chunk
         return last.result
+
+    def _constrained(self, sp: SamplingParams, json_schema, grammar, regex) -> SamplingParams:
+        import dataclasses
+
+        from pyfast.constrain import Constraint, ConstraintError, compile_constraint
+
+        given = [c for c in (None if json_schema is None else Constraint.json_schema(json_schema),
+                             None if grammar is None else Constraint.gbnf(grammar),
+                             None if regex is None else Constraint.regex(regex)) if c is not None]
+        if len(given) > 1:
+            raise ConstraintError("give at most one of json_schema, grammar and regex", given[1].param)
+        return dataclasses.replace(sp, constraint=compile_constraint(given[0], self.tokenizer, self.n_vocab))
 
     def chat(self, messages: list[dict], max_tokens: int = 256, **kwargs):
         """Generate the assistant's reply to a conversation using the model's chat template."""
