@@ -194,29 +194,35 @@ def _call_schema(plan: ToolPlan, args_key: str) -> dict:
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
 
 
+def _compact(schema: dict) -> str:
+    """A schema for llguidance's %json with JSON written compactly (no free whitespace), so a
+    small model cannot spend its tokens on newlines."""
+    return json.dumps(dict(schema, **{"x-guidance": {"whitespace_flexible": False}}), ensure_ascii=False)
+
+
 def _call_grammar(plan: ToolPlan) -> str:
-    """A Lark grammar (llguidance dialect) admitting only calls in the family's syntax."""
-    many = plan.parallel and plan.choice != "function"
+    """A Lark grammar (llguidance dialect) admitting only calls in the family's syntax. Llama 3.x
+    writes one call per reply (its JSON format has no parallel calls)."""
     fam = plan.family
+    many = plan.parallel and plan.choice != "function" and fam != "llama3"
     args_key = "parameters" if fam == "llama3" else "arguments"
-    schema = json.dumps(_call_schema(plan, args_key), ensure_ascii=False)
+    schema = _compact(_call_schema(plan, args_key))
     if fam == "hermes":
         rep = "call (\"\\n\" call)*" if many else "call"
         return (f"start: {rep}\n"
                 f"call: \"<tool_call>\\n\" obj \"\\n</tool_call>\"\n"
                 f"obj: %json {schema}\n")
     if fam == "llama3":
-        rep = "obj (\"; \" obj)*" if many else "obj"
-        return f"start: {rep}\nobj: %json {schema}\n"
+        return f"start: obj\nobj: %json {schema}\n"
     if fam == "mistral":
         arr = {"type": "array", "items": _call_schema(plan, "arguments"), "minItems": 1}
         if not many:
             arr["maxItems"] = 1
-        return f"start: \"[TOOL_CALLS]\" arr\narr: %json {json.dumps(arr, ensure_ascii=False)}\n"
+        return f"start: \"[TOOL_CALLS]\" arr\narr: %json {_compact(arr)}\n"
     wrapper = {"type": "object", "properties": {"tool_calls": {"type": "array", "items": _call_schema(plan, "arguments"),
                                                                  "minItems": 1, **({} if many else {"maxItems": 1})}},
                "required": ["tool_calls"], "additionalProperties": False}
-    return f"start: obj\nobj: %json {json.dumps(wrapper, ensure_ascii=False)}\n"
+    return f"start: obj\nobj: %json {_compact(wrapper)}\n"
 
 
 # --- parsing -------------------------------------------------------------------------------
