@@ -15,6 +15,11 @@
 # number of failed steps.
 #
 #   bash scripts/gpu_check.sh [DEVICE]      (default vulkan:0)
+#
+# On a device machine without build tools: build the extension here (pip install . or CMake),
+# copy the built _native*.so and this machine's libvulkan.so.1 into one folder that travels with
+# the tree, and run with PYFAST_NATIVE=<that folder>/_native*.so LD_LIBRARY_PATH=<that folder>.
+# BENCH_PP / BENCH_TG change the bench sizes (a dry run on lavapipe: BENCH_PP=8 BENCH_TG=4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEV=${1:-vulkan:0}
@@ -69,7 +74,8 @@ if not peak:
         name = ""
     known = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "L4": 300, "A10": 600, "RTX 4090": 1008}
     peak = next((v for k, v in known.items() if k in name), 0)
-for r in run_bench(path, [512], [128], [4], reps=3, device=dev):
+pp, tg = int(os.environ.get("BENCH_PP", "512")), int(os.environ.get("BENCH_TG", "128"))
+for r in run_bench(path, [pp], [tg], [4], reps=3, device=dev):
     line = f"{os.path.basename(path)} {r.test} on {dev}: {r.tps_median:.1f} t/s"
     if r.test.startswith("tg"):
         gbs = size * r.tps_median / 1e9

@@ -229,6 +229,19 @@ def run_case(cmd: str, path: str, tmp: str) -> dict:
     return {"outcome": "cli", "rc": rc, "stderr": err}
 
 
+def peak_rss_kb() -> int:
+    """This process's peak resident memory in KiB: VmHWM, which starts afresh at exec (ru_maxrss
+    can carry the parent's peak: a test process that had grown to 1.7 GB passed it on)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def main() -> int:
     out_dir, seed, n_cases = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     fixtures = sys.argv[4:]
@@ -236,7 +249,7 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     signal.signal(signal.SIGALRM, _alarm)
     rng = random.Random(seed)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss0 = peak_rss_kb()
     results = open(os.path.join(out_dir, "results.jsonl"), "w")
     for i in range(n_cases):
         fixture = fixtures[i % len(fixtures)]
@@ -256,7 +269,7 @@ def main() -> int:
         finally:
             signal.alarm(0)
         rec["seconds"] = time.perf_counter() - t0
-        rec["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rec["maxrss_kb"] = peak_rss_kb()
         results.write(json.dumps(rec) + "\n")
         results.flush()
         for f in os.listdir(out_dir):
