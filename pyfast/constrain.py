@@ -166,13 +166,16 @@ class _Vocab:
         return self._tok.encode(s, add_bos=False, special=False)
 
 
-_LLTOK: dict[int, tuple[Any, Any]] = {}
+_LLTOK: dict[tuple, tuple[Any, Any]] = {}
 _LLTOK_LOCK = threading.Lock()
 
 
-def _lltokenizer(tok, n_vocab: int):
-    """The llguidance tokenizer of ``tok`` (built once per tokenizer object: about a second)."""
-    key = id(tok)
+def _lltokenizer(tok, n_vocab: int, json_slices: bool = False):
+    """The llguidance tokenizer of ``tok`` (built once per tokenizer object and slice set).
+    JSON grammars use llguidance's JSON slices: the mask inside a free string then costs a
+    fraction (measured on SmolLM2: mean 80 us instead of 310 us per token over a schema's
+    output; medians ~20 us either way)."""
+    key = (id(tok), n_vocab, json_slices)
     with _LLTOK_LOCK:
         hit = _LLTOK.get(key)
         if hit is not None and hit[0] is tok:
@@ -180,7 +183,8 @@ def _lltokenizer(tok, n_vocab: int):
     from llguidance import LLTokenizer
 
     eog = sorted(tok.eog_ids) or [tok.eos_id or 0]
-    llt = LLTokenizer(_Vocab(tok, n_vocab), n_vocab=n_vocab, eos_token=eog)
+    slices = LLTokenizer.json_slices() if json_slices else None
+    llt = LLTokenizer(_Vocab(tok, n_vocab), n_vocab=n_vocab, eos_token=eog, slices=slices)
     with _LLTOK_LOCK:
         _LLTOK[key] = (tok, llt)
     return llt
@@ -262,7 +266,7 @@ def compile_constraint(constraint: Constraint, tokenizer, n_vocab: int | None = 
                               "(or pip install llguidance)", constraint.param) from None
     n_vocab = int(n_vocab or tokenizer.n_vocab)
     text = constraint.grammar_text()
-    lltok = _lltokenizer(tokenizer, n_vocab)
+    lltok = _lltokenizer(tokenizer, n_vocab, json_slices=constraint.kind in ("json", "json_schema", "lark"))
     is_err, msgs = LLMatcher.validate_grammar_with_warnings(text, lltok)
     if is_err:
         msg = " ".join((msgs[0] if msgs else "unknown error").split())
@@ -270,5 +274,7 @@ def compile_constraint(constraint: Constraint, tokenizer, n_vocab: int | None = 
                 "regex": "regex"}[constraint.kind]
         raise ConstraintError(f"invalid {what}: {msg[:600]}", constraint.param)
     g = Grammar(constraint, text, lltok, n_vocab, sorted(tokenizer.eog_ids))
-    g.matcher()  # construction errors (e.g. resource limits) surface here, not mid-generation
+    # construction errors (e.g. resource limits) surface here, not mid-generation; the first mask
+    # of a tokenizer also builds llguidance's token tables (~0.1 s, once), not during a reply
+    g.matcher().allowed()
     return g
