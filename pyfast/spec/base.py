@@ -144,7 +144,8 @@ class DraftTokenPicker:
         ent = self._samplers.get(r.seq)
         if ent is None or ent[0] is not r.sampler:
             seed = r.sampler.params.seed
-            params = dataclasses.replace(r.sampler.params,
+            # drafts are proposals: no grammar (its matcher follows the target's sampler only)
+            params = dataclasses.replace(r.sampler.params, constraint=None,
                                          seed=None if seed is None else (seed + self.salt) % 2**63)
             ent = self._samplers[r.seq] = (r.sampler, Sampler(params, self.n_vocab))
         return ent[1]

@@ -43,9 +43,9 @@ class VerifyResult:
 
 
 def has_penalties(p: SamplingParams) -> bool:
-    """True when the logits are modified before sampling (penalties or a logit bias), so the greedy
-    shortcut (argmax of the raw rows) does not apply."""
-    return bool(p.logit_bias) or (p.repeat_last_n != 0 and (
+    """True when the logits are modified before sampling (penalties, a logit bias or a grammar
+    constraint), so the greedy shortcut (argmax of the raw rows) does not apply."""
+    return bool(p.logit_bias) or p.constraint is not None or (p.repeat_last_n != 0 and (
         p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0))
 
 
@@ -94,7 +94,9 @@ def verify(rows: np.ndarray, draft: np.ndarray, sampler: Sampler, history: np.nd
                     return VerifyResult(draft[:i].tolist() + [t], i, RECOVERED)
             return VerifyResult(draft.tolist() + [int(rows[n].argmax())], n, BONUS)
         return _verify_by_sampling(rows, draft, sampler, hist)
-    if draft_probs is None or n == 0:
+    if draft_probs is None or n == 0 or params.constraint is not None:
+        # under a grammar the sampler's matcher advances with every token it returns, so the rows
+        # are sampled in order (each token drawn is kept): the target's distribution, exactly
         return _verify_by_sampling(rows, draft, sampler, hist)
 
     q = np.asarray(draft_probs)
