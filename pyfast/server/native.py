@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import threading
-import time
 from typing import Any, AsyncIterator
 
 import numpy as np

@@ -1,7 +1,9 @@
 """llama-server compatibility (issue 22, item 4) and CORS (item 3), through real HTTP on loopback.
 
-Browser-side CORS is not exercised here (no headless Chromium in this environment): preflights
-and response headers are checked with httpx exactly as a browser sends and reads them.
+Preflights and response headers are checked with httpx as a browser sends and reads them, and
+``test_cors_from_browser`` runs a page in headless Chromium (skipped when Chromium is not
+installed; ``apt-get install chromium``) served from another loopback port that calls the API
+with fetch.
 """
 from __future__ import annotations
 
@@ -238,3 +240,59 @@ def test_cors_star(smollm2_path):
 def test_cors_bad_flag(smollm2_path):
     with pytest.raises(RuntimeError, match="cors-origins"):
         ServerProcess("-m", str(smollm2_path), "--cors-origins", "not an origin", startup_timeout=60)
+
+
+# --- CORS from a real browser (headless Chromium, when installed) ------------------------------
+PAGE = """<!doctype html><html><body><pre id="out">pending</pre><script>
+fetch("%s/v1/chat/completions", {method: "POST",
+  headers: {"Content-Type": "application/json", "Authorization": "Bearer k1"},
+  body: JSON.stringify({model: "mymodel", messages: [{role: "user", content: "Say hi"}], max_tokens: 3, temperature: 0})})
+ .then(r => r.json().then(j => { document.getElementById("out").textContent = "OK " + r.status + " " + j.object; }))
+ .catch(e => { document.getElementById("out").textContent = "BLOCKED " + e; });
+</script></body></html>"""
+
+
+def _browser_fetch(api_url: str, tmp_path) -> str:
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.server.helpers import free_port
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if exe is None:
+        pytest.skip("no Chromium installed")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "page.html").write_text(PAGE % api_url)
+    port = free_port()
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                            "--directory", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import time
+
+        for _ in range(100):  # wait for the page server
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/page.html", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        r = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=" + str(tmp_path / "p"),
+                            "--virtual-time-budget=30000", "--dump-dom", f"http://127.0.0.1:{port}/page.html"],
+                           capture_output=True, text=True, timeout=120)
+        m = re.search(r'<pre id="out">(.*?)</pre>', r.stdout, re.S)
+        assert m, r.stdout[-2000:] + r.stderr[-2000:]
+        return m.group(1)
+    finally:
+        web.terminate()
+        web.wait(10)
+
+
+def test_cors_from_browser(strict_srv, smollm2_path, tmp_path):
+    """A page on another loopback port calls the API with fetch (a preflighted POST with an
+    Authorization header): allowed by the default localhost policy, blocked by a policy that
+    does not list the page's origin."""
+    assert _browser_fetch(strict_srv.url, tmp_path) == "OK 200 chat.completion"
+    with ServerProcess("-m", str(smollm2_path), "--parallel", "1", "--ctx-size", "512", "--api-key", "k1",
+                       "-a", "mymodel", "--cors-origins", "https://app.example") as s:
+        assert _browser_fetch(s.url, tmp_path / "b").startswith("BLOCKED")
