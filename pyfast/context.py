@@ -98,6 +98,9 @@ class Context:
             self.memory = self.kv
         self.n_seq_max, self.n_rollback = n_seq_max, n_rollback
         self._plans: OrderedDict[tuple, object] = OrderedDict()
+        # the plans run one at a time and their outputs are read before the next decode, so on the
+        # CPU they share one arena (as large as the largest plan's) instead of holding one each
+        self.arenas = native.ArenaPool() if self.device is None else None
         self.max_plans = max_plans
         self.n_plan_builds = 0
         self.t_compute = 0.0
@@ -124,7 +127,7 @@ class Context:
                 b = self.model.build(shape, self.kv)
             else:
                 b = self.model.build(shape, self.kv, rec=self.rec, export_hidden=self.export_hidden)
-            plan = native.Plan(b.g, self.pool, self.device)
+            plan = native.Plan(b.g, self.pool, self.device, self.arenas)
             self.n_plan_builds += 1
             self._plans[key] = plan
             while len(self._plans) > self.max_plans:

@@ -182,14 +182,25 @@ void bind_graph(py::module_& m) {
       .def("output", [](G g, const Tensor& t, const std::string& name) { g->g->mark_output(tid(*g, t), name); },
            py::arg("tensor"), py::arg("name"), "Mark a tensor as a named output of the graph.");
 
+  py::class_<ArenaPool, std::shared_ptr<ArenaPool>>(
+      m, "ArenaPool",
+      "Intermediate memory shared by the CPU plans of one context: they run one at a time, and a plan's "
+      "outputs are valid until another plan of the pool runs.")
+      .def(py::init<>())
+      .def_property_readonly("current_bytes", &ArenaPool::current_bytes, "Size of the buffer new plans get.")
+      .def_property_readonly("live_bytes", &ArenaPool::live_bytes, "Bytes of every buffer a live plan holds.");
+
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan", "A compiled graph, replayed with new inputs.")
-      .def(py::init([](G g, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Backend> device) {
+      .def(py::init([](G g, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Backend> device,
+                       std::shared_ptr<ArenaPool> arenas) {
         if (g->compiled) throw std::invalid_argument("[plan] graph is already compiled");
         g->compiled = true;
         py::gil_scoped_release rel;
-        return std::make_shared<Plan>(g->g, pool, device);
-      }), py::arg("graph"), py::arg("pool"), py::arg("device") = nullptr, py::keep_alive<1, 2>(),
-         "Compile a graph. device: an opened Device (open_device); None runs on the CPU.")
+        return std::make_shared<Plan>(g->g, pool, device, device ? nullptr : arenas);
+      }), py::arg("graph"), py::arg("pool"), py::arg("device") = nullptr, py::arg("arenas") = nullptr,
+         py::keep_alive<1, 2>(),
+         "Compile a graph. device: an opened Device (open_device); None runs on the CPU. arenas: an "
+         "ArenaPool shared with the context's other plans (CPU only).")
       .def_property_readonly("device_steps", [](const Plan& p) -> py::object {
         const DevicePlan* d = p.device_plan();
         if (!d) return py::none();

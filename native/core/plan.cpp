@@ -156,7 +156,38 @@ Sched sched_at(uint8_t* base, size_t n_exec) {
 
 }  // namespace
 
-Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Backend> backend)
+std::shared_ptr<uint8_t> ArenaPool::acquire(size_t nbytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (cur_ && size_ >= nbytes) return cur_;
+  // grow by at least half, so a run of slightly larger plans does not allocate each time
+  const size_t n = std::max(nbytes, size_ + size_ / 2);
+  cur_ = std::shared_ptr<uint8_t>(alloc_aligned(n), [](uint8_t* p) { std::free(p); });
+  size_ = n;
+  all_.erase(std::remove_if(all_.begin(), all_.end(), [](auto& e) { return e.first.expired(); }), all_.end());
+  all_.emplace_back(cur_, n);
+  return cur_;
+}
+
+std::shared_ptr<uint8_t> ArenaPool::current() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return cur_;
+}
+
+size_t ArenaPool::current_bytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return size_;
+}
+
+size_t ArenaPool::live_bytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  size_t t = 0;
+  for (auto& e : all_)
+    if (!e.first.expired()) t += e.second;
+  return t;
+}
+
+Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::shared_ptr<Backend> backend,
+           std::shared_ptr<ArenaPool> arenas)
     : graph_(std::move(graph)), pool_(std::move(pool)), backend_(std::move(backend)) {
   auto& nodes = graph_->nodes();
   const int n = (int)nodes.size();
@@ -193,7 +224,13 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::
     for (int r : frees_at[i]) arena.release(offset[r], span_bytes(nodes[r].dtype, nodes[r].shape));
   }
   stats_.arena_bytes = arena.high_water();
-  arena_ = alloc_aligned(stats_.arena_bytes);
+  if (arenas) {
+    shared_arena_ = arenas->acquire(stats_.arena_bytes);
+    arena_ = shared_arena_.get();
+    arenas_ = std::move(arenas);
+  } else {
+    arena_ = alloc_aligned(stats_.arena_bytes);
+  }
 
   // Resolve data pointers in order (views follow their source).
   const int nth = pool_ ? pool_->size() : 1;
@@ -307,7 +344,7 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::
 }
 
 Plan::~Plan() {
-  std::free(arena_);
+  if (!shared_arena_) std::free(arena_);
   for (uint8_t* p : owned_) std::free(p);
 }
 
@@ -338,10 +375,24 @@ const Node& Plan::output(const std::string& name) const {
 // of the node that failed is done (fail_at names the node, so a thread that already started the
 // next group cannot make the others stop early). A kernel with internal barriers must throw on
 // all threads or none, before its first barrier.
+void Plan::rebase(std::shared_ptr<uint8_t> to) {
+  uint8_t* const old = arena_;
+  const uintptr_t lo = (uintptr_t)old, hi = lo + stats_.arena_bytes;
+  for (Node& nd : graph_->nodes())
+    if (nd.kind == NodeKind::computed && nd.data && (uintptr_t)nd.data >= lo && (uintptr_t)nd.data < std::max(hi, lo + 1))
+      nd.data = to.get() + (nd.data - old);
+  arena_ = to.get();
+  shared_arena_ = std::move(to);
+}
+
 void Plan::run() {
   if (dev_) {
     dev_->run();
     return;
+  }
+  if (arenas_) {  // the pool grew since this plan last ran: move to its current buffer
+    std::shared_ptr<uint8_t> cur = arenas_->current();
+    if (cur != shared_arena_) rebase(std::move(cur));
   }
   auto& nodes = graph_->nodes();
   const CpuIsa isa = cpu_isa();
