@@ -430,31 +430,26 @@ VkPlan::VkPlan(VulkanBackend& be, Graph& g, std::shared_ptr<ThreadPool> pool)
           if (b) hs.pull.push_back(Sync{b, off, sn.data, span_bytes(sn.dtype, sn.shape)});
         }
       }
-      // Sources the op writes in place (recurrent state planes): back to the device afterwards.
-      for (int s = 0; s < nd.n_src; ++s) {
-        if (!op_writes_src(nd.op, s) || lv.root[nd.src[s]] == lv.root[i]) continue;  // aliased: below
-        const Node& sn = nodes[nd.src[s]];
-        const int rs = lv.root[nd.src[s]];
-        if (nodes[rs].kind == NodeKind::external) {
-          size_t off = 0;
-          auto b = be.bound(sn.data, span_bytes(sn.dtype, sn.shape), off);
-          if (!b)
-            throw std::invalid_argument("[vulkan] '" + nodes[rs].name + "' is written by " + op_name(nd.op) +
-                                        " on the CPU but has no device buffer bound (bind it with Buffer(device=...))");
-          hs.push.push_back(Sync{b, off, sn.data, span_bytes(sn.dtype, sn.shape)});
-        } else if (is_computed_root(rs)) {
-          where[rs] = kHost;
-        }
-      }
-      const int r = lv.root[i];
-      if (nodes[r].kind == NodeKind::external) {
+      // Bound state the CPU writes (tensor t, whose memory root is r): back to the device after.
+      auto written = [&](const Node& t, int r) -> Sync {
         size_t off = 0;
-        auto b = be.bound(nd.data, span_bytes(nd.dtype, nd.shape), off);
+        auto b = be.bound(t.data, span_bytes(t.dtype, t.shape), off);
         if (!b)
           throw std::invalid_argument("[vulkan] '" + nodes[r].name + "' is written by " + op_name(nd.op) +
                                       " on the CPU but has no device buffer bound (bind it with Buffer(device=...))");
-        hs.pull.push_back(Sync{b, off, nd.data, span_bytes(nd.dtype, nd.shape)});  // rows it leaves alone
-        hs.push.push_back(Sync{b, off, nd.data, span_bytes(nd.dtype, nd.shape)});
+        return Sync{b, off, t.data, span_bytes(t.dtype, t.shape)};
+      };
+      // Sources the op writes in place (recurrent state planes).
+      for (int s = 0; s < nd.n_src; ++s) {
+        const int rs = lv.root[nd.src[s]];
+        if (!op_writes_src(nd.op, s) || rs == lv.root[i]) continue;  // aliased with the output: below
+        if (nodes[rs].kind == NodeKind::external) hs.push.push_back(written(nodes[nd.src[s]], rs));
+        else if (is_computed_root(rs)) where[rs] = kHost;
+      }
+      const int r = lv.root[i];
+      if (nodes[r].kind == NodeKind::external) {  // set_rows into bound state
+        hs.pull.push_back(written(nd, r));  // the rows it leaves alone
+        hs.push.push_back(hs.pull.back());
       } else {
         where[r] = kHost;
       }
@@ -522,22 +517,7 @@ void register_vulkan_backend() {
   f.list = [] {
     std::vector<DeviceInfo> out;
     auto devs = vk::physical_devices();
-    for (size_t i = 0; i < devs.size(); ++i) {
-      VkPhysicalDeviceProperties p;
-      vkGetPhysicalDeviceProperties(devs[i], &p);
-      VkPhysicalDeviceMemoryProperties mp;
-      vkGetPhysicalDeviceMemoryProperties(devs[i], &mp);
-      DeviceInfo d;
-      d.kind = "vulkan";
-      d.index = (int)i;
-      d.name = "vulkan:" + std::to_string(i);
-      d.description = p.deviceName;
-      for (uint32_t h = 0; h < mp.memoryHeapCount; ++h)
-        if (mp.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
-          d.memory_bytes = std::max<uint64_t>(d.memory_bytes, mp.memoryHeaps[h].size);
-      d.max_buffer_range = p.limits.maxStorageBufferRange;
-      out.push_back(d);
-    }
+    for (size_t i = 0; i < devs.size(); ++i) out.push_back(vk::describe(devs[i], (int)i));
     return out;
   };
   f.open = [](int index) -> std::shared_ptr<Backend> {

@@ -15,6 +15,8 @@ namespace pyfast {
 namespace vk {
 
 [[noreturn]] void fail(VkResult r, const char* what);
+// Name, description, device-local memory and binding range of physical device `index`.
+DeviceInfo describe(VkPhysicalDevice phys, int index);
 inline void check(VkResult r, const char* what) {
   if (r != VK_SUCCESS) fail(r, what);
 }

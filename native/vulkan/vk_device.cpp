@@ -12,6 +12,23 @@ void fail(VkResult r, const char* what) {
   throw std::runtime_error(std::string("[vulkan] ") + what + " failed (VkResult " + std::to_string((int)r) + ")");
 }
 
+DeviceInfo describe(VkPhysicalDevice phys, int index) {
+  VkPhysicalDeviceProperties p;
+  vkGetPhysicalDeviceProperties(phys, &p);
+  VkPhysicalDeviceMemoryProperties mp;
+  vkGetPhysicalDeviceMemoryProperties(phys, &mp);
+  DeviceInfo d;
+  d.kind = "vulkan";
+  d.index = index;
+  d.name = "vulkan:" + std::to_string(index);
+  d.description = p.deviceName;
+  for (uint32_t h = 0; h < mp.memoryHeapCount; ++h)
+    if (mp.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
+      d.memory_bytes = std::max<uint64_t>(d.memory_bytes, mp.memoryHeaps[h].size);
+  d.max_buffer_range = p.limits.maxStorageBufferRange;
+  return d;
+}
+
 // ---- buffers ---------------------------------------------------------------------------------
 
 Buffer::Buffer(std::shared_ptr<Context> ctx, size_t n, Kind kind) : ctx_(std::move(ctx)), size_(n) {
@@ -88,14 +105,7 @@ Context::Context(VkInstance inst, VkPhysicalDevice p, int index) : phys(p) {
   (void)inst;
   vkGetPhysicalDeviceProperties(phys, &props);
   vkGetPhysicalDeviceMemoryProperties(phys, &mem_props);
-  info.kind = "vulkan";
-  info.index = index;
-  info.name = "vulkan:" + std::to_string(index);
-  info.description = props.deviceName;
-  for (uint32_t i = 0; i < mem_props.memoryHeapCount; ++i)
-    if (mem_props.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
-      info.memory_bytes = std::max<uint64_t>(info.memory_bytes, mem_props.memoryHeaps[i].size);
-  info.max_buffer_range = props.limits.maxStorageBufferRange;
+  info = describe(phys, index);
 
   uint32_t nq = 0;
   vkGetPhysicalDeviceQueueFamilyProperties(phys, &nq, nullptr);
