@@ -567,18 +567,12 @@ class _API:
             else:
                 raise APIError(400, f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {t!r}",
                                param="response_format.type")
-        if req.json_schema is not None:
-            found.append(Constraint.json_schema(req.json_schema, "json_schema"))
-        if req.guided_json is not None:
-            found.append(Constraint.json_schema(req.guided_json, "guided_json"))
-        if req.grammar is not None:
-            found.append(Constraint.gbnf(req.grammar, "grammar"))
-        if req.guided_grammar is not None:
-            found.append(Constraint.gbnf(req.guided_grammar, "guided_grammar"))
-        if req.regex is not None:
-            found.append(Constraint.regex(req.regex, "regex"))
-        if req.guided_regex is not None:
-            found.append(Constraint.regex(req.guided_regex, "guided_regex"))
+        for make, fields in ((Constraint.json_schema, ("json_schema", "guided_json")),
+                             (Constraint.gbnf, ("grammar", "guided_grammar")),
+                             (Constraint.regex, ("regex", "guided_regex"))):
+            for f in fields:
+                if getattr(req, f) is not None:
+                    found.append(make(getattr(req, f), f))
         if len(found) > 1:
             names = ", ".join(c.param for c in found)
             raise APIError(400, f"only one output constraint per request, got {names}", param=found[1].param)

@@ -56,6 +56,23 @@ def chi2_sf(x: float, k: int) -> float:
     return float(chi2.sf(x, k))
 
 
+def chi2_goodness(counts: dict, expected: dict, n: int, min_bins: int) -> None:
+    """Pearson's chi-square of observed outcome counts against n * probabilities: outcomes with an
+    expected count of at least 5 are bins of their own, the rest are pooled into one bin (dropped
+    if its expected count is under 5). Asserts no outcome outside `expected` occurred, at least
+    min_bins bins, and p > 0.001."""
+    assert set(counts) <= set(expected), "a token outside the target's kept set was emitted"
+    big = [c for c, e in expected.items() if e >= 5.0]
+    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    exp = [expected[c] for c in big] + [n - sum(expected[c] for c in big)]
+    if exp[-1] < 5.0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert len(obs) >= min_bins
+    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    p = chi2_sf(x, len(obs) - 1)
+    assert p > 0.001, f"chi-square {x:.1f} on {len(obs) - 1} dof: p = {p:.2e}"
+
+
 def test_chi2_sf_series_matches_known_values():
     assert chi2_sf_series(3.841, 1) == pytest.approx(0.05, abs=1e-3)
     assert chi2_sf_series(18.307, 10) == pytest.approx(0.05, abs=1e-3)
@@ -138,19 +155,7 @@ def test_two_token_distribution_matches_target(rows, temperature, style):
         counts[(t1, t2)] = counts.get((t1, t2), 0) + 1
 
     expected = {(a, b): N_SAMPLES * P0[a] * P1[a][b] for a in np.flatnonzero(P0) for b in np.flatnonzero(P1[a])}
-    assert set(counts) <= set(expected), "a token outside the target's kept set was emitted"
-    big = [c for c, e in expected.items() if e >= 5.0]
-    obs = [counts.get(c, 0) for c in big]
-    exp = [expected[c] for c in big]
-    rest_obs = N_SAMPLES - sum(obs)
-    rest_exp = N_SAMPLES - sum(exp)
-    if rest_exp >= 5.0:
-        obs.append(rest_obs)
-        exp.append(rest_exp)
-    assert len(obs) >= 20
-    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    p = chi2_sf(x, len(obs) - 1)
-    assert p > 0.001, f"chi-square {x:.1f} on {len(obs) - 1} dof: p = {p:.2e}"
+    chi2_goodness(counts, expected, N_SAMPLES, 20)
     # and the first token alone
     first = np.zeros(V)
     for (a, _), c in counts.items():
@@ -228,16 +233,7 @@ def test_draft_mtp_two_token_distribution_matches_target():
     assert chi2_sf(x, len(obs) - 1) > 0.001, f"drafts do not follow their q: chi-square {x:.1f}"
 
     expected = {(a, b): n * P0[a] * P1[a][b] for a in np.flatnonzero(P0) for b in np.flatnonzero(P1[int(a)])}
-    assert set(counts) <= set(expected), "a token outside the target's kept set was emitted"
-    big = [c for c, e in expected.items() if e >= 5.0]
-    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
-    exp = [expected[c] for c in big] + [n - sum(expected[c] for c in big)]
-    if exp[-1] < 5.0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert len(obs) >= 20
-    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    p = chi2_sf(x, len(obs) - 1)
-    assert p > 0.001, f"chi-square {x:.1f} on {len(obs) - 1} dof: p = {p:.2e}"
+    chi2_goodness(counts, expected, n, 20)
 
 
 class _MixProposer:
@@ -334,13 +330,4 @@ def test_server_round_distribution_matches_target(style):
     for j in jobs:
         key = tuple(j.out[:3])
         counts[key] = counts.get(key, 0) + 1
-    assert set(counts) <= set(expected), "a token outside the target's kept set was emitted"
-    big = [c for c, e in expected.items() if e >= 5.0]
-    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
-    exp = [expected[c] for c in big] + [n - sum(expected[c] for c in big)]
-    if exp[-1] < 5.0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert len(obs) >= 50
-    x = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    p = chi2_sf(x, len(obs) - 1)
-    assert p > 0.001, f"chi-square {x:.1f} on {len(obs) - 1} dof: p = {p:.2e}"
+    chi2_goodness(counts, expected, n, 50)
