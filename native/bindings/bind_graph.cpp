@@ -147,6 +147,8 @@ void bind_graph(py::module_& m) {
       .def("argmax", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.argmax(tid(*g, a)); }); })
       .def("sigmoid", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.sigmoid(tid(*g, a)); }); })
       .def("softplus", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.softplus(tid(*g, a)); }); })
+      .def("relu", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.relu(tid(*g, a)); }); },
+           py::arg("a"), "max(a, 0) elementwise")
       .def("l2_norm", [](G g, const Tensor& a, float eps) { return rec(g, [&](Graph& gr) { return gr.l2_norm(tid(*g, a), eps); }); },
            py::arg("a"), py::arg("eps") = 1e-6f, "a / sqrt(sum(a^2, -1) + eps)")
       .def("concat", [](G g, const Tensor& a, const Tensor& b, int axis) {
@@ -156,6 +158,9 @@ void bind_graph(py::module_& m) {
            py::arg("a"), py::arg("axis") = -1, "Sum over `axis`, which is removed.")
       .def("topk", [](G g, const Tensor& a, int k) { return rec(g, [&](Graph& gr) { return gr.topk(tid(*g, a), k); }); },
            py::arg("a"), py::arg("k"), "Indices (i32) of the k largest values along the last dim, largest first.")
+      .def("topk_mask", [](G g, const Tensor& a, int k) { return rec(g, [&](Graph& gr) { return gr.topk_mask(tid(*g, a), k); }); },
+           py::arg("a"), py::arg("k"),
+           "An additive mask of a's shape: 0 where topk(a, k) picks (same ties), -inf elsewhere.")
       .def("gather", [](G g, const Tensor& a, const Tensor& ids) { return rec(g, [&](Graph& gr) { return gr.gather(tid(*g, a), tid(*g, ids)); }); },
            py::arg("a"), py::arg("ids"), "a[..., ids] along the last dim (numpy take_along_axis).")
       .def("matmul_id", [](G g, const Tensor& x, const Tensor& w, const Tensor& ids) {

@@ -349,6 +349,11 @@ int Graph::softplus(int a) {
   return push(make_node(Op::softplus, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a}));
 }
 
+int Graph::relu(int a) {
+  need_dtype("relu", at(a), DType::F32, "a");
+  return push(make_node(Op::relu, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a}));
+}
+
 int Graph::l2_norm(int a, float eps) {
   need_dtype("l2_norm", at(a), DType::F32, "a");
   if (!(eps >= 0.0f)) fail("l2_norm", "eps must be >= 0");
@@ -400,6 +405,16 @@ int Graph::topk(int a, int k) {
   std::vector<int64_t> d = dims_of(x);
   d.back() = k;
   Node n = make_node(Op::topk, DType::I32, make_shape(DType::I32, d), {a});
+  n.params.i[0] = k;
+  return push(std::move(n));
+}
+
+int Graph::topk_mask(int a, int k) {
+  const Node& x = at(a);
+  need_dtype("topk_mask", x, DType::F32, "a");
+  const int64_t E = x.shape.dims[x.shape.ndim - 1];
+  if (k < 1 || k > E) fail("topk_mask", "k must be in [1, " + std::to_string(E) + "], got " + std::to_string(k));
+  Node n = make_node(Op::topk_mask, DType::F32, make_shape(DType::F32, dims_of(x)), {a});
   n.params.i[0] = k;
   return push(std::move(n));
 }

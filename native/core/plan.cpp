@@ -112,7 +112,7 @@ bool op_shareable(const Node& nd, const Node* const* srcs, int nth) {
   switch (nd.op) {
     case Op::get_rows: case Op::add: case Op::mul: case Op::scale: case Op::rms_norm: case Op::rope:
     case Op::softmax: case Op::attention: case Op::silu: case Op::swiglu: case Op::set_rows: case Op::cpy:
-    case Op::sigmoid: case Op::softplus: case Op::l2_norm: case Op::concat: case Op::sum:
+    case Op::sigmoid: case Op::softplus: case Op::relu: case Op::l2_norm: case Op::concat: case Op::sum:
       return true;
     case Op::matmul:
       return !cpu_matmul_syncs(nd, srcs, nth);

@@ -18,6 +18,7 @@ size_t cpu_work_size(const Node& dst, const Node* const* src, int nth) {
     case Op::ssm_conv:
     case Op::gated_delta_net: return cpu_ssm_work_size(dst, src, nth);
     case Op::topk:
+    case Op::topk_mask:
     case Op::matmul_id: return cpu_moe_work_size(dst, src, nth);
     default: return 0;
   }

@@ -40,10 +40,12 @@ ACCEPTS = {
     "permute": {0: {F32, F16, BF16, I32}},
     "sigmoid": {0: {F32}},
     "softplus": {0: {F32}},
+    "relu": {0: {F32}},
     "l2_norm": {0: {F32}},
     "concat": {0: {F32}, 1: {F32}},
     "sum": {0: {F32}},
     "topk": {0: {F32}},
+    "topk_mask": {0: {F32}},
     "gather": {0: {F32}, 1: {I32}},
     "matmul_id": {0: {F32}, 1: set(WEIGHT_TYPES), 2: {I32}},
     "ssm_conv": {0: {F32}, 1: {F32}, 2: {F32}, 3: {I32}},
@@ -346,7 +348,7 @@ def _moe_cases() -> list[Case]:
     C: list[Case] = []
     # ---- sigmoid / softplus (softplus returns x itself above 20, as torch) -------------------
     edge = [-100.0, -89.0, -20.0, -1e-3, 0.0, 1e-3, 19.9, 20.0, 20.1, 30.0, 89.0, 100.0]
-    for op in ("sigmoid", "softplus"):
+    for op in ("sigmoid", "softplus", "relu"):
         C += [
             Case(op, (Arg((7, 33), normal(10.0)),)),
             Case(op, (Arg((1,), F32, fixed([-2.5])),)),
@@ -415,6 +417,17 @@ def _moe_cases() -> list[Case]:
         Case("topk", (Arg((3, 5, 128)),), {"k": 8}, tol=EXACT),
         Case("topk", (Arg((33, 7), layout=permuted(1, 0)),), {"k": 3}, tol=EXACT),
         Case("topk", (Arg((3, 4, 65), layout=padded((1, 1, 4), step=2)),), {"k": 5}, tol=EXACT),
+    ]
+    # ---- topk_mask (topk's picks as a 0 / -inf mask; the DSA sparse mask, grouped routing) -------
+    C += [
+        Case("topk_mask", (Arg((7, 64)),), {"k": 8}, tol=EXACT),
+        Case("topk_mask", (Arg((1, 1)),), {"k": 1}, tol=EXACT),
+        Case("topk_mask", (Arg((9, 65)),), {"k": 65}, tol=EXACT),
+        Case("topk_mask", (Arg((3, 1100)),), {"k": 1025}, tol=EXACT, label="past_1024"),
+        Case("topk_mask", (Arg((9, 33), F32, choice([-1.0, 0.0, 2.0])),), {"k": 7}, tol=EXACT, label="ties"),
+        Case("topk_mask", (Arg((4, 65), F32, _with_nans(0.7)),), {"k": 20}, tol=EXACT, label="nan_inf"),
+        Case("topk_mask", (Arg((33, 7), layout=permuted(1, 0)),), {"k": 3}, tol=EXACT),
+        Case("topk_mask", (Arg((3, 4, 65), layout=padded((1, 1, 4), step=2)),), {"k": 5}, tol=EXACT),
     ]
     # ---- gather (take_along_axis on the last dim) ------------------------------------------------
     C += [

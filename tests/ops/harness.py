@@ -642,6 +642,13 @@ def softplus_ref(x):
         return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
 
 
+def topk_mask_ref(a, k):
+    """0 at topk_ref's picks, -inf elsewhere."""
+    out = np.full(a.shape, -np.inf)
+    np.put_along_axis(out, topk_ref(a, k), 0.0, axis=-1)
+    return out
+
+
 def topk_ref(a, k):
     """Indices of the k largest along the last dim, largest first; ties -> lower index first;
     NaN ranks below every number (NaNs among themselves by index)."""
@@ -669,6 +676,7 @@ def matmul_id_ref(x, w, ids):
 OPS.update({
     "sigmoid": OpSpec(lambda g, t, d: g.sigmoid(t[0]), lambda v, d: sigmoid_ref(v[0])),
     "softplus": OpSpec(lambda g, t, d: g.softplus(t[0]), lambda v, d: softplus_ref(v[0])),
+    "relu": OpSpec(lambda g, t, d: g.relu(t[0]), lambda v, d: np.maximum(v[0], 0.0)),
     "l2_norm": OpSpec(lambda g, t, d, eps: g.l2_norm(t[0], eps),
                       lambda v, d, eps: v[0] / np.sqrt(np.sum(v[0] ** 2, axis=-1, keepdims=True) + f32(eps))),
     "concat": OpSpec(lambda g, t, d, axis: g.concat(t[0], t[1], axis),
@@ -677,6 +685,7 @@ OPS.update({
                   lambda v, d, axis: np.sum(v[0], axis=axis).reshape(
                       tuple(n for i, n in enumerate(v[0].shape) if i != axis % v[0].ndim) or (1,))),
     "topk": OpSpec(lambda g, t, d, k: g.topk(t[0], k), lambda v, d, k: topk_ref(v[0], k)),
+    "topk_mask": OpSpec(lambda g, t, d, k: g.topk_mask(t[0], k), lambda v, d, k: topk_mask_ref(v[0], k)),
     "gather": OpSpec(lambda g, t, d: g.gather(t[0], t[1]), lambda v, d: np.take_along_axis(v[0], v[1], axis=-1)),
     "matmul_id": OpSpec(lambda g, t, d: g.matmul_id(t[0], t[1], t[2]),
                         lambda v, d: matmul_id_ref(v[0], v[1], v[2])),

@@ -180,6 +180,7 @@ def _run_ids(build, ids, **inputs):
 BAD.update({
     "sigmoid": [("a f16", lambda g: g.sigmoid(_x(g, "a", F16, [4, 8])))],
     "softplus": [("a i32", lambda g: g.softplus(_x(g, "a", I32, [4, 8])))],
+    "relu": [("a f16", lambda g: g.relu(_x(g, "a", F16, [4, 8])))],
     "l2_norm": [
         ("a bf16", lambda g: g.l2_norm(_x(g, "a", BF16, [4, 8]), 1e-6)),
         ("negative eps", lambda g: g.l2_norm(_x(g, "a", F32, [4, 8]), -1e-6)),
@@ -201,6 +202,11 @@ BAD.update({
         ("a f16", lambda g: g.topk(_x(g, "a", F16, [4, 8]), 2)),
         ("k 0", lambda g: g.topk(_x(g, "a", F32, [4, 8]), 0)),
         ("k > n", lambda g: g.topk(_x(g, "a", F32, [4, 8]), 9)),
+    ],
+    "topk_mask": [
+        ("a f16", lambda g: g.topk_mask(_x(g, "a", F16, [4, 8]), 2)),
+        ("k 0", lambda g: g.topk_mask(_x(g, "a", F32, [4, 8]), 0)),
+        ("k > n", lambda g: g.topk_mask(_x(g, "a", F32, [4, 8]), 9)),
     ],
     "gather": [
         ("ids f32", lambda g: g.gather(_x(g, "a", F32, [4, 8]), _x(g, "i", F32, [4, 2]))),
@@ -391,11 +397,13 @@ def _probe_builders():
     P["permute"] = lambda g, r, dt: g.permute(_x(g, "a", dt, [2, K]), [1, 0])
     P["sigmoid"] = lambda g, r, dt: g.sigmoid(_x(g, "a", dt, [2, K]))
     P["softplus"] = lambda g, r, dt: g.softplus(_x(g, "a", dt, [2, K]))
+    P["relu"] = lambda g, r, dt: g.relu(_x(g, "a", dt, [2, K]))
     P["l2_norm"] = lambda g, r, dt: g.l2_norm(_x(g, "a", dt, [2, K]), 1e-6)
     P["concat"] = lambda g, r, dt: g.concat(_x(g, "a", dt if r == 0 else F32, [2, K]),
                                             _x(g, "b", dt if r == 1 else F32, [2, K]), 0)
     P["sum"] = lambda g, r, dt: g.sum(_x(g, "a", dt, [2, K]), 0)
     P["topk"] = lambda g, r, dt: g.topk(_x(g, "a", dt, [2, K]), 4)
+    P["topk_mask"] = lambda g, r, dt: g.topk_mask(_x(g, "a", dt, [2, K]), 4)
     P["gather"] = lambda g, r, dt: g.gather(_x(g, "a", dt if r == 0 else F32, [2, K]),
                                             _x(g, "i", dt if r == 1 else I32, [2, K]))
     P["matmul_id"] = lambda g, r, dt: g.matmul_id(_x(g, "x", dt if r == 0 else F32, [2, K]),

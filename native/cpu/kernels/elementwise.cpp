@@ -1,4 +1,4 @@
-// Elementwise and data-movement kernels: add, mul, scale, silu, swiglu, sigmoid, softplus, cpy,
+// Elementwise and data-movement kernels: add, mul, scale, silu, swiglu, sigmoid, softplus, relu, cpy,
 // get_rows, set_rows, concat, argmax, sum. Work is split over output rows; a reduction (argmax,
 // sum) reads only the input elements of its own output element, in a fixed order.
 #include <algorithm>
@@ -380,6 +380,11 @@ void cpu_sigmoid(const ComputeParams& p, Node& dst, const Node* const* src) {
 // log(1 + exp(x)), and x itself above torch's default threshold of 20.
 void cpu_softplus(const ComputeParams& p, Node& dst, const Node* const* src) {
   unary_rows(p, dst, src[0], [](float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); });
+}
+
+// max(x, 0); NaN stays NaN (x > 0 is false for NaN, so it is written through as x).
+void cpu_relu(const ComputeParams& p, Node& dst, const Node* const* src) {
+  unary_rows(p, dst, src[0], [](float x) { return x < 0.0f ? 0.0f : x; });
 }
 
 namespace {

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -153,12 +154,41 @@ size_t cpu_moe_work_size(const Node& dst, const Node* const* src, int nth) {
       const Node& a = *src[0];
       return (size_t)(nth > 0 ? nth : 1) * align_up((size_t)a.shape.dims[a.shape.ndim - 1] * 4) + kAlign;
     }
+    case Op::topk_mask: {
+      const Node& a = *src[0];
+      return (size_t)(nth > 0 ? nth : 1) * 2 * align_up((size_t)a.shape.dims[a.shape.ndim - 1] * 4) + kAlign;
+    }
     case Op::matmul_id: return moe_layout(*src[0], *src[1], *src[2], nth).total;
     default: return 0;
   }
 }
 
 // ---- topk ---------------------------------------------------------------------------------------
+
+namespace {
+
+// The k largest of one row (largest first, ties: lower index) into o[0..k); idx: E ints of scratch.
+void topk_select(const TopkLess& less, int64_t E, int64_t k, int32_t* o, int32_t* idx) {
+  if (k <= 16) {
+    // Insertion into the sorted top-k list: one compare per element for most of them.
+    int64_t n = 0;
+    for (int32_t i = 0; i < (int32_t)E; ++i) {
+      if (n == k && !less(i, o[k - 1])) continue;
+      int64_t pos = n < k ? n++ : k - 1;
+      while (pos > 0 && less(i, o[pos - 1])) {
+        o[pos] = o[pos - 1];
+        --pos;
+      }
+      o[pos] = i;
+    }
+  } else {
+    for (int32_t i = 0; i < (int32_t)E; ++i) idx[i] = i;
+    std::partial_sort(idx, idx + k, idx + E, less);
+    std::memcpy(o, idx, (size_t)k * 4);
+  }
+}
+
+}  // namespace
 
 void cpu_topk(const ComputeParams& p, Node& dst, const Node* const* src) {
   const Node* a = src[0];
@@ -171,24 +201,28 @@ void cpu_topk(const ComputeParams& p, Node& dst, const Node* const* src) {
   split_range(n_rows(sa), p.ith, p.nth, r0, r1);
   for (int64_t r = r0; r < r1; ++r) {
     const TopkLess less{reinterpret_cast<const float*>(a->data + row_offset(sa, r)), st};
-    int32_t* o = reinterpret_cast<int32_t*>(dst.data) + r * k;
-    if (k <= 16) {
-      // Insertion into the sorted top-k list: one compare per element for most of them.
-      int64_t n = 0;
-      for (int32_t i = 0; i < (int32_t)E; ++i) {
-        if (n == k && !less(i, o[k - 1])) continue;
-        int64_t pos = n < k ? n++ : k - 1;
-        while (pos > 0 && less(i, o[pos - 1])) {
-          o[pos] = o[pos - 1];
-          --pos;
-        }
-        o[pos] = i;
-      }
-    } else {
-      for (int32_t i = 0; i < (int32_t)E; ++i) idx[i] = i;
-      std::partial_sort(idx, idx + k, idx + E, less);
-      std::memcpy(o, idx, (size_t)k * 4);
-    }
+    topk_select(less, E, k, reinterpret_cast<int32_t*>(dst.data) + r * k, idx);
+  }
+}
+
+// topk_mask: the same selection as topk, written as an additive mask (0 kept, -inf elsewhere).
+void cpu_topk_mask(const ComputeParams& p, Node& dst, const Node* const* src) {
+  const Node* a = src[0];
+  const Shape& sa = a->shape;
+  const int64_t E = sa.dims[sa.ndim - 1];
+  const int64_t k = dst.params.i[0];
+  const int64_t st = inner_stride(sa) / 4;
+  int32_t* idx = reinterpret_cast<int32_t*>(align_ptr(p.wdata) + (size_t)p.ith * 2 * align_up((size_t)E * 4));
+  int32_t* sel = idx + align_up((size_t)E * 4) / 4;
+  int64_t r0, r1;
+  split_range(n_rows(sa), p.ith, p.nth, r0, r1);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = r0; r < r1; ++r) {
+    const TopkLess less{reinterpret_cast<const float*>(a->data + row_offset(sa, r)), st};
+    topk_select(less, E, k, sel, idx);
+    float* o = reinterpret_cast<float*>(dst.data) + r * E;
+    for (int64_t i = 0; i < E; ++i) o[i] = ninf;
+    for (int64_t j = 0; j < k; ++j) o[sel[j]] = 0.0f;
   }
 }
 

@@ -71,10 +71,12 @@ class Graph {
   // Activations, reductions and routing (hybrid / MoE models).
   int sigmoid(int a);
   int softplus(int a);
+  int relu(int a);
   int l2_norm(int a, float eps);
   int concat(int a, int b, int axis);
   int sum(int a, int axis);
   int topk(int a, int k);
+  int topk_mask(int a, int k);
   int gather(int a, int ids);
   int matmul_id(int x, int w, int ids);
   // Recurrent ops. `seqs` is [n_seg, 4] i32 rows (t0, n_tokens, slot, src_plane): tokens
