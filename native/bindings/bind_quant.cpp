@@ -83,7 +83,7 @@ void bind_quant(py::module_& m) {
       "Releases the GIL.");
 
   m.def("packable", [](DType t) { return packable(t); }, py::arg("dtype"),
-        "Whether weights of dtype can be stored in the packed x16 layout (Q4_0, Q4_1, Q8_0).");
+        "Whether weights of dtype can be stored in the packed x16 layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K).");
   m.def(
       "pack_x16",
       [](DType t, py::buffer raw, int64_t nrows, int64_t ncols) {

@@ -112,8 +112,8 @@ int Graph::external(const std::string& name, DType t, const std::vector<int64_t>
   }
   if (packed) {
     if (!packable(t) || n.shape.ndim != 2 || n.shape.dims[0] % 16 != 0 || !strides.empty())
-      fail("external", "packed '" + name + "': needs a contiguous 2-D Q4_0 / Q4_1 / Q8_0 tensor with rows a "
-                       "multiple of 16, got " + dtype_name(t) + " " + n.shape.str());
+      fail("external", "packed '" + name + "': needs a contiguous 2-D Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K "
+                       "tensor with rows a multiple of 16, got " + dtype_name(t) + " " + n.shape.str());
     n.packed = true;
   }
   n.kind = NodeKind::external;

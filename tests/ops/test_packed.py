@@ -9,7 +9,14 @@ import pytest
 
 from .harness import F32, I32, Q4_0, Q4_1, Q8_0, QUANT_ISAS, N, dname, encode, pool, run_matmul, using_isa
 
-PACKABLE = (Q4_0, Q4_1, Q8_0)
+Q4_K, Q5_K, Q6_K = N.DType.Q4_K, N.DType.Q5_K, N.DType.Q6_K
+PACKABLE = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+KQ = (Q4_K, Q5_K, Q6_K)
+
+
+def _cols(dt, n32):
+    """A row length of n32 32-blocks, rounded up to whole 256-blocks for the K-quants."""
+    return -(-n32 * 32 // 256) * 256 if dt in KQ else n32 * 32
 
 
 def _weight(dt, n, k, seed):
@@ -32,27 +39,45 @@ def _same(a, b, what):
 
 def test_packable_types():
     assert all(N.packable(dt) for dt in PACKABLE)
-    assert not any(N.packable(dt) for dt in (N.DType.Q4_K, N.DType.Q6_K, N.DType.Q5_0, F32))
+    assert not any(N.packable(dt) for dt in (N.DType.Q5_0, N.DType.Q5_1, N.DType.F16, F32))
 
 
 @pytest.mark.parametrize("dt", PACKABLE, ids=dname)
 def test_packing_moves_every_byte(dt):
     """Packing is a permutation of the bytes within each 16-row chunk: nothing is lost or
     duplicated, and chunks stay where their rows were."""
-    w = _weight(dt, 48, 96, 1)
+    w = _weight(dt, 48, _cols(dt, 3), 1)
     p = _packed(w, dt)
     assert p.shape == w.shape and not np.array_equal(p, w)
     for c in range(3):
         a, b = w[16 * c:16 * c + 16].ravel(), p[16 * c:16 * c + 16].ravel()
         np.testing.assert_array_equal(np.sort(a), np.sort(b))
-    # the first 32 bytes of a chunk's first block: the 16 rows' fp16 scales d, in row order
-    np.testing.assert_array_equal(p[0, :32].view(np.uint16), w[:16, :2].copy().view(np.uint16).ravel())
+    # the 16 rows' fp16 scales d of the chunk's first block, in row order (Q6_K keeps d last)
+    at, off = (3328, 208) if dt == Q6_K else (0, 0)
+    np.testing.assert_array_equal(p[:16].ravel()[at:at + 32].view(np.uint16),
+                                  w[:16, off:off + 2].copy().view(np.uint16).ravel())
+
+
+@pytest.mark.parametrize("dt", KQ, ids=dname)
+def test_packed_kquant_layout(dt):
+    """K-quants: each 64-byte vector of a packed super-block holds one dword of every row, in
+    row order, taken at the same offset of each row's super-block (codes, high bits, scales)."""
+    w = _weight(dt, 16, 512, 7)
+    p = _packed(w, dt).ravel()
+    bs = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[dt]
+    first_dword = {Q4_K: 16, Q5_K: 16, Q6_K: 0}[dt]      # row offset of the first dword field
+    at = {Q4_K: 256, Q5_K: 256, Q6_K: 0}[dt]             # its place in the packed super-block
+    for sb in range(2):
+        rows = w[:, sb * bs:(sb + 1) * bs]
+        vec = p[sb * 16 * bs + at: sb * 16 * bs + at + 64]
+        np.testing.assert_array_equal(vec.reshape(16, 4), rows[:, first_dword:first_dword + 4])
+    np.testing.assert_array_equal(np.asarray(N.unpack_x16(dt, _packed(w, dt), 16, 512)).reshape(w.shape), w)
 
 
 @pytest.mark.parametrize("dt,isa", [(d, i) for d in PACKABLE for i in QUANT_ISAS],
                          ids=[f"{dname(d)}-{i}" for d in PACKABLE for i in QUANT_ISAS])
 def test_packed_matmul_equals_row_major(dt, isa):
-    K, N_ = 160, 48
+    K, N_ = _cols(dt, 5), 48
     w = _weight(dt, N_, K, 2)
     p = _packed(w, dt)
     rng = np.random.default_rng(3)
@@ -70,11 +95,15 @@ def test_packed_matmul_equals_row_major(dt, isa):
             _same(pl.output("y"), ref, f"{dname(dt)} {isa} M={M} threads={nt}")
 
 
+FUSED = {128: [(Q4_1, 32, True), (Q8_0, 16, False), (Q4_0, 16, True)],
+         256: [(Q4_K, 32, True), (Q6_K, 16, False), (Q5_K, 16, True), (Q6_K, 16, True), (Q4_0, 16, True)]}
+
+
 @pytest.mark.parametrize("isa", QUANT_ISAS)
-def test_packed_weights_in_a_fused_run(isa):
+@pytest.mark.parametrize("K", sorted(FUSED))
+def test_packed_weights_in_a_fused_run(isa, K):
     """Packed and row-major weights of one activation run as one fused kernel (q / k / v)."""
-    K = 128
-    specs = [(Q4_1, 32, True), (Q8_0, 16, False), (Q4_0, 16, True)]
+    specs = FUSED[K]
     ws = [_weight(dt, n, K, 10 + i) for i, (dt, n, _) in enumerate(specs)]
     rng = np.random.default_rng(4)
     for M in (1, 5, 17):
@@ -94,19 +123,20 @@ def test_packed_weights_in_a_fused_run(isa):
 @pytest.mark.parametrize("dt", PACKABLE, ids=dname)
 def test_packed_get_rows(dt):
     """An embedding table that is also the output matrix (tied weights) can stay packed."""
-    w = _weight(dt, 64, 96, 5)
+    K = _cols(dt, 3)
+    w = _weight(dt, 64, K, 5)
     ids = np.array([0, 15, 16, 17, 63, 40, 40, 1], dtype=np.int32)
     out = {}
     for pk in (False, True):
         g = N.Graph()
-        t = g.external("t", dt, [64, 96], _packed(w, dt) if pk else w, packed=pk)
+        t = g.external("t", dt, [64, K], _packed(w, dt) if pk else w, packed=pk)
         g.output(g.get_rows(t, g.input("ids", I32, [ids.size])), "y")
         pl = N.Plan(g, pool(2))
         pl.set_input("ids", ids)
         pl.run()
         out[pk] = pl.output("y")
     _same(out[True], out[False], f"{dname(dt)} get_rows")
-    np.testing.assert_array_equal(out[False], N.dequantize_tensor(dt, w, 64, 96)[ids])
+    np.testing.assert_array_equal(out[False], N.dequantize_tensor(dt, w, 64, K)[ids])
 
 
 def test_packed_tensors_are_refused_elsewhere():
@@ -118,7 +148,7 @@ def test_packed_tensors_are_refused_elsewhere():
     with pytest.raises(ValueError, match="packed weight"):
         g.cpy(t, F32)
     with pytest.raises(ValueError, match="packed"):
-        g.external("q4k", N.DType.Q4_K, [16, 256], np.zeros((16, 144), np.uint8), packed=True)
+        g.external("q5_0", N.DType.Q5_0, [16, 256], np.zeros((16, 176), np.uint8), packed=True)
     with pytest.raises(ValueError, match="packed"):
         g.external("odd", Q4_1, [24, 64], np.zeros((24, 40), np.uint8), packed=True)
     with pytest.raises(ValueError, match="multiple of 16"):

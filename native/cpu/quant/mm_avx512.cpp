@@ -275,6 +275,55 @@ PF_AVX512 void qtile(const QCtx& c, const ActQ& a, int64_t m, int jt, float* out
   _mm512_storeu_ps(out, acc);
 }
 
+// Lane r = the 4 bytes at rows[r] + off.
+PF_AVX512 PF_INLINE __m512i gat(const QCtx& c, int64_t off) {
+  return _mm512_i32gather_epi32(c.offs, c.rows[0] + off, 1);
+}
+
+// Lane r of t0 / t1 = the 4 bytes at rows[r] + off / off + 4 (two 8-byte gathers of 8 rows each).
+PF_AVX512 PF_INLINE void gat2(const QCtx& c, int64_t off, __m512i& t0, __m512i& t1) {
+  const __m512i a = _mm512_i32gather_epi64(c.offs_lo, c.rows[0] + off, 1);
+  const __m512i b = _mm512_i32gather_epi64(c.offs_hi, c.rows[0] + off, 1);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  t0 = _mm512_permutex2var_epi32(a, even, b);
+  t1 = _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+}
+
+// Lane r = row r's 4 bytes at byte offset `off` of the row-major rows: gathered from the rows,
+// or (PK) one load from the packed chunk c.pk (quant.h).
+template <DType WT, bool PK>
+PF_AVX512 PF_INLINE __m512i ldv(const QCtx& c, int64_t off) {
+  if constexpr (PK) return _mm512_loadu_si512(c.pk + packed_vec<WT>(off));
+  else return gat(c, off);
+}
+
+// ldv at off and off + 4.
+template <DType WT, bool PK>
+PF_AVX512 PF_INLINE void ldv2(const QCtx& c, int64_t off, __m512i& t0, __m512i& t1) {
+  if constexpr (PK) {
+    t0 = ldv<WT, true>(c, off);
+    t1 = ldv<WT, true>(c, off + 4);
+  } else {
+    gat2(c, off, t0, t1);
+  }
+}
+
+// The 16 rows' fp16 field at byte `off` of super-block B, widened (dword lanes as gathered: the
+// half at `off` is the low half when off % 4 == 0).
+template <DType WT, bool PK>
+PF_AVX512 PF_INLINE __m512 ldh(const QCtx& c, int64_t B, int off) {
+  constexpr PackFmt F = kPackFmt(WT);
+  if constexpr (PK) {
+    int at = 0;
+    for (int i = 0; i < F.n_fields; ++i)
+      if (F.f[i].off == off) at = F.f[i].at;
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c.pk + B * 16 * F.bs + at)));
+  } else {
+    const __m512i g = gat(c, B * F.bs + (off & ~3));
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16((off & 2) ? _mm512_srli_epi32(g, 16) : g));
+  }
+}
+
 // -v exactly (sign flip, as the scalar -(dmin * m); AVX-512F has no float xor).
 PF_AVX512 PF_INLINE __m512 neg_ps(__m512 v) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
@@ -282,17 +331,16 @@ PF_AVX512 PF_INLINE __m512 neg_ps(__m512 v) {
 
 // fill_ktables (mm_common.h) for the 16 rows at once: per super-block, gathers of the packed
 // scale bytes and fp16 scales of all rows, unpacked with vector bit operations.
-template <DType WT>
+template <DType WT, bool PK = false>
 PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t* slo, int32_t* shi) {
   constexpr int SB = kSuperBytes<WT>;
   for (int64_t B = 0; B < c.nb / 8; ++B) {
-    const uint8_t* base = c.rows[0] + B * SB;
     float* dwb = dw + B * 8 * 16;
     if constexpr (WT == DType::Q6_K) {
       // scales[14], scales[15], d: the fp16 d is the high half (stays inside the block)
-      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(c.offs, base + 206, 1), 16)));
+      const __m512 d = ldh<WT, PK>(c, B, 208);
       for (int k = 0; k < 4; ++k) {
-        const __m512i g = _mm512_i32gather_epi32(c.offs, base + 192 + 4 * k, 1);  // scales[4k .. 4k+3]
+        const __m512i g = ldv<WT, PK>(c, B * SB + 192 + 4 * k);  // scales[4k .. 4k+3]
         for (int t = 0; t < 2; ++t) {
           const int j = 2 * k + t;
           _mm512_store_ps(dwb + j * 16, d);
@@ -301,12 +349,11 @@ PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t*
         }
       }
     } else {
-      const __m512i dd = _mm512_i32gather_epi32(c.offs, base, 1);
-      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-      const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
-      const __m512i a = _mm512_i32gather_epi32(c.offs, base + 4, 1);   // scales[0..3]
-      const __m512i b = _mm512_i32gather_epi32(c.offs, base + 8, 1);   // scales[4..7]
-      const __m512i e = _mm512_i32gather_epi32(c.offs, base + 12, 1);  // scales[8..11]
+      const __m512 d = ldh<WT, PK>(c, B, 0);
+      const __m512 dmin = ldh<WT, PK>(c, B, 2);
+      const __m512i a = ldv<WT, PK>(c, B * SB + 4);   // scales[0..3]
+      const __m512i b = ldv<WT, PK>(c, B * SB + 8);   // scales[4..7]
+      const __m512i e = ldv<WT, PK>(c, B * SB + 12);  // scales[8..11]
       const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(0x30);
       float* mwb = mw + B * 8 * 16;
       for (int j = 0; j < 4; ++j) {
@@ -352,20 +399,6 @@ inline int xt_pass_rows(int64_t left) {
   return left == kXtJoin<WT> ? kXtJoin<WT> : left < kXtRows<WT> ? (int)left : kXtRows<WT>;
 }
 
-// Lane r = the 4 bytes at rows[r] + off.
-PF_AVX512 PF_INLINE __m512i gat(const QCtx& c, int64_t off) {
-  return _mm512_i32gather_epi32(c.offs, c.rows[0] + off, 1);
-}
-
-// Lane r of t0 / t1 = the 4 bytes at rows[r] + off / off + 4 (two 8-byte gathers of 8 rows each).
-PF_AVX512 PF_INLINE void gat2(const QCtx& c, int64_t off, __m512i& t0, __m512i& t1) {
-  const __m512i a = _mm512_i32gather_epi64(c.offs_lo, c.rows[0] + off, 1);
-  const __m512i b = _mm512_i32gather_epi64(c.offs_hi, c.rows[0] + off, 1);
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  t0 = _mm512_permutex2var_epi32(a, even, b);
-  t1 = _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
-}
-
 // Byte t of lane r = 0x10 where bit (4 * g + t) of the 32-bit value in lane r of qh is set.
 PF_AVX512 PF_INLINE __m512i qh_bits(__m512i qh, int g) {
   const int by = g >> 1;  // the byte holding bits 4g .. 4g+3
@@ -381,7 +414,7 @@ PF_AVX512 PF_INLINE __m512i or_b4(__m512i w, __m512i v) {
 }
 
 // Decodes STEP blocks from b0 into w[st * 8 + g]; 32-block types also give the block's dw / mw.
-template <DType WT>
+template <DType WT, bool PK = false>
 PF_AVX512 PF_INLINE void xt_decode(const QCtx& c, int64_t b0, __m512i* w, __m512& dw, __m512& mw) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   if constexpr (WT == DType::Q4_K || WT == DType::Q5_K) {
@@ -391,7 +424,7 @@ PF_AVX512 PF_INLINE void xt_decode(const QCtx& c, int64_t b0, __m512i* w, __m512
     const int64_t qo = sb + (WT == DType::Q4_K ? 16 : 48) + 32 * (j >> 1);
     for (int g = 0; g < 8; g += 2) {
       __m512i t[2];
-      gat2(c, qo + 4 * g, t[0], t[1]);
+      ldv2<WT, PK>(c, qo + 4 * g, t[0], t[1]);
       for (int u = 0; u < 2; ++u) {
         w[g + u] = _mm512_and_si512(t[u], m4);
         w[8 + g + u] = _mm512_and_si512(_mm512_srli_epi16(t[u], 4), m4);
@@ -400,7 +433,7 @@ PF_AVX512 PF_INLINE void xt_decode(const QCtx& c, int64_t b0, __m512i* w, __m512
         // The super-block's qh (shared by its 8 blocks) is gathered with its first pair.
         __m512i h[2];
         if (j == 0) {
-          gat2(c, sb + 16 + 4 * g, h[0], h[1]);
+          ldv2<WT, PK>(c, sb + 16 + 4 * g, h[0], h[1]);
           _mm512_store_si512(c.qh + g, h[0]);
           _mm512_store_si512(c.qh + g + 1, h[1]);
         } else {
@@ -426,10 +459,10 @@ PF_AVX512 PF_INLINE void xt_decode(const QCtx& c, int64_t b0, __m512i* w, __m512
     const __m512i m30 = _mm512_set1_epi8(0x30);
     for (int g = 0; g < 8; g += 2) {
       __m512i qh[2];
-      gat2(c, sb + 128 + 32 * h + 4 * g, qh[0], qh[1]);
+      ldv2<WT, PK>(c, sb + 128 + 32 * h + 4 * g, qh[0], qh[1]);
       for (int st = 0; st < 2; ++st) {
         __m512i ql[2];
-        gat2(c, sb + 64 * h + 32 * st + 4 * g, ql[0], ql[1]);
+        ldv2<WT, PK>(c, sb + 64 * h + 32 * st + 4 * g, ql[0], ql[1]);
         const int s2 = 2 * (jj0 + st);
         for (int u = 0; u < 2; ++u) {
           const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(ql[u], s1), m4);
@@ -511,7 +544,7 @@ PF_AVX512 PF_INLINE void xt_unpack(const QCtx& c, int64_t b, __m512i* w, __m512&
 }
 
 // RM activation rows from m: y[m + i][n0 + r] for r < nv.
-template <DType WT, int RM, int MODE>
+template <DType WT, int RM, int MODE, bool PK = false>
 PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   constexpr int STEP = kStep<WT>;
   constexpr bool kOff = WT == DType::Q8_0 || kOffsetShift<WT> > 0;
@@ -542,7 +575,7 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
       // The chunk after next, into L2 while this one is decoded (its rows are read in an
       // interleaved order the hardware prefetchers do not follow).
       for (int64_t o = 0; o < STEP * c.pf_step; o += 64) _mm_prefetch((const char*)c.pf + b0 * c.pf_step + o, _MM_HINT_T1);
-      xt_decode<WT>(c, b0, w, dw0, mw0);
+      xt_decode<WT, PK>(c, b0, w, dw0, mw0);
       if constexpr (MODE == kDecodeStore) {
         for (int k = 0; k < STEP * 8; ++k) _mm512_store_si512(xb.wt + b0 * 8 + k, w[k]);
         if constexpr (!kIsK<WT>) {
@@ -622,16 +655,33 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
   for (int i = 0; i < RM; ++i) _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m + i)) + n0, mk, acc[i]);
 }
 
-template <DType WT, int MODE>
+template <DType WT, int MODE, bool PK = false>
 PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, int rm, const RowView& yv, int64_t n0,
                        int nv) {
   switch (rm) {
 #define PF_XT_CASE(R) \
-  case R: if constexpr (R <= kXtJoin<WT>) xt_pass<WT, R, MODE>(c, xb, a, m, yv, n0, nv); break;
+  case R: if constexpr (R <= kXtJoin<WT>) xt_pass<WT, R, MODE, PK>(c, xb, a, m, yv, n0, nv); break;
     PF_XT_CASE(1) PF_XT_CASE(2) PF_XT_CASE(3) PF_XT_CASE(4) PF_XT_CASE(5) PF_XT_CASE(6) PF_XT_CASE(7) PF_XT_CASE(8)
     PF_XT_CASE(9)
 #undef PF_XT_CASE
     default: break;
+  }
+}
+
+// Rows j.m0 .. j.m1: one decoding pass (storing the decoded blocks when more passes follow),
+// then passes over the stored blocks.
+template <DType WT, bool PK>
+PF_AVX512 void xt_decoded_passes(const QJob& j, const QCtx& c, const XtBuf& xb, int nv) {
+  constexpr int RX = kXtRows<WT>;
+  const int64_t M = j.m1 - j.m0;
+  if (M <= RX || M == kXtJoin<WT>) {
+    xt_rows<WT, kDecode, PK>(c, xb, j.a, j.m0, (int)M, j.y, j.n0, nv);
+    return;
+  }
+  xt_pass<WT, RX, kDecodeStore, PK>(c, xb, j.a, j.m0, j.y, j.n0, nv);
+  for (int64_t m = j.m0 + RX, rm; m < j.m1; m += rm) {
+    rm = xt_pass_rows<WT>(j.m1 - m);
+    xt_rows<WT, kLoad>(c, xb, j.a, m, (int)rm, j.y, j.n0, nv);
   }
 }
 
@@ -650,7 +700,10 @@ PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
   int32_t* shi = reinterpret_cast<int32_t*>(tabs + 3 * tab);
   xb.slo = slo;
   xb.shi = shi;
-  if constexpr (kIsK<WT>) fill_ktables_avx512<WT>(c, xb.dwt, xb.mwt, slo, shi);
+  if constexpr (kIsK<WT>) {
+    if (j.packed) fill_ktables_avx512<WT, true>(c, xb.dwt, xb.mwt, slo, shi);
+    else fill_ktables_avx512<WT>(c, xb.dwt, xb.mwt, slo, shi);
+  }
   // Integer offsets the dot chains start from, in ActQ's meta order (groups of 4 rows):
   // Q4_0 / Q5_0 / Q8_0: -(offset * sx); Q6_K: -32 hx and -32 (sx - hx).
   const int64_t g0 = j.m0 >> 2, g1 = (j.m1 + 3) >> 2;
@@ -679,9 +732,7 @@ PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
       _mm512_mask_storeu_epi32(o0 + k, mk, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, sh)));
     }
   }
-  constexpr int RX = kXtRows<WT>;
-  const int64_t M = j.m1 - j.m0;
-  if (j.packed) {  // every pass reads the packed chunk (unpacking it costs less than a scratch copy)
+  if (j.packed && !kIsK<WT>) {  // every pass reads the packed chunk (unpacking it costs less than a scratch copy)
     if constexpr (!kIsK<WT> && WT != DType::Q5_0 && WT != DType::Q5_1) {
       for (int64_t m = j.m0, rm; m < j.m1; m += rm) {
         rm = xt_pass_rows<WT>(j.m1 - m);
@@ -691,15 +742,10 @@ PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
     }
     return;
   }
-  if (M <= RX || M == kXtJoin<WT>) {
-    xt_rows<WT, kDecode>(c, xb, a, j.m0, (int)M, j.y, j.n0, nv);
-    return;
-  }
-  xt_pass<WT, RX, kDecodeStore>(c, xb, a, j.m0, j.y, j.n0, nv);
-  for (int64_t m = j.m0 + RX, rm; m < j.m1; m += rm) {
-    rm = xt_pass_rows<WT>(j.m1 - m);
-    xt_rows<WT, kLoad>(c, xb, a, m, (int)rm, j.y, j.n0, nv);
-  }
+  // K-quants, packed or not: the first pass decodes (from the packed chunk: plain loads), the
+  // later ones read the decoded blocks back from the scratch.
+  if (j.packed) xt_decoded_passes<WT, true>(j, c, xb, nv);
+  else xt_decoded_passes<WT, false>(j, c, xb, nv);
 }
 
 template <DType WT>
@@ -712,7 +758,7 @@ PF_AVX512 void qgemm_t(const QJob& j) {
     c.bs = wblock_bytes(WT);
     c.pk = j.w + j.n0 * j.w_stride;
     c.pf = c.pk + 32 * j.w_stride;  // the chunk after next
-    c.pf_step = 16 * c.bs;
+    c.pf_step = 16 * (kIsK<WT> ? kSuperBytes<WT> / 8 : c.bs);  // its bytes per 32-block
     qgemm_xt<WT>(j, c, nv);
     return;
   }

@@ -129,14 +129,50 @@ bool matmul_weight_supported(DType t);
 //  g = (a0 + a2) + (a1 + a3); L = 8: g0 + g1; L = 16: (g0 + g1) + (g2 + g3).
 //  avx512, neon and scalar use L = 16 (bit-identical); avx2 uses L = 8.
 // ---------------------------------------------------------------------------------------------
-// Packed ("x16") weights. A [N, K] Q4_0 / Q4_1 / Q8_0 weight with N % 16 == 0 may be stored in
-// chunks of 16 rows, laid out for the transposed kernels (rows >= 2 in mm_avx512.cpp) so that a
-// chunk's block is read with a few plain loads instead of gathers from 16 rows: chunk c keeps
-// the bytes its rows had (offset c * 16 * row_bytes); block b of it sits at b * 16 * bs (bs = the
-// block's bytes) and holds the 16 rows' fp16 d, then (Q4_1) their fp16 m, then the codes with
-// 32-bit lane r of vector g (64 bytes) = bytes 4g .. 4g+3 of row r's qs (Q4_0 / Q4_1: 4 vectors,
-// Q8_0: 8). Same values, same arithmetic: results are bit-identical to the row-major weight.
-// The model loader packs weights in memory (pyfast.models.base); matmul and get_rows read them.
+// Packed ("x16") weights. A [N, K] weight of a packable type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+// Q6_K) with N % 16 == 0 may be stored in chunks of 16 rows, laid out so that the kernels read a
+// block of all 16 rows with a few plain vector loads instead of gathers from 16 rows: chunk c
+// keeps the bytes its rows had (offset c * 16 * row_bytes) and block b of it (a super-block for
+// the K-quants) sits at b * 16 * bs (bs = the row-major block's bytes). Inside it, each field of
+// the row-major block (kPackFmt: scales, mins, packed scale bytes, high bits, codes) becomes
+// field.bytes / field.unit vectors of 16 units, unit u of row r at field.at + (u * 16 + r) * unit:
+// fp16 scales as [16] halves (one 32-byte vector per scale), everything else as dwords, so that
+// the 64-byte vector at field.at + 16 * (o - field.off) holds, in lane r, the 4 bytes row r has at
+// byte o of the block. Same values, same arithmetic: results are bit-identical to the row-major
+// weight. The model loader packs weights in memory (pyfast.models.base); matmul and get_rows
+// read them.
+struct PackField {
+  int off, bytes, unit, at;  // row-major offset and size, unit (2: fp16, 4: dwords), packed offset
+};
+struct PackFmt {
+  int bs = 0;        // bytes of one row-major block (0: not packable)
+  int n_fields = 0;
+  PackField f[5] = {};
+};
+constexpr PackFmt kPackFmt(DType t) {
+  switch (t) {
+    case DType::Q4_0: return {18, 2, {{0, 2, 2, 0}, {2, 16, 4, 32}}};
+    case DType::Q4_1: return {20, 3, {{0, 2, 2, 0}, {2, 2, 2, 32}, {4, 16, 4, 64}}};
+    case DType::Q8_0: return {34, 2, {{0, 2, 2, 0}, {2, 32, 4, 32}}};
+    case DType::Q4_K: return {144, 4, {{0, 2, 2, 0}, {2, 2, 2, 32}, {4, 12, 4, 64}, {16, 128, 4, 256}}};
+    case DType::Q5_K:
+      return {176, 5, {{0, 2, 2, 0}, {2, 2, 2, 32}, {4, 12, 4, 64}, {16, 32, 4, 256}, {48, 128, 4, 768}}};
+    case DType::Q6_K:
+      return {210, 4, {{0, 128, 4, 0}, {128, 64, 4, 2048}, {192, 16, 4, 3072}, {208, 2, 2, 3328}}};
+    default: return {};
+  }
+}
+// Offset in a packed block of the 64-byte vector whose lane r holds row r's dword at byte o of
+// the row-major block (o inside a dword field, o - field.off a multiple of 4).
+template <DType T>
+constexpr int64_t packed_vec(int64_t o) {
+  constexpr PackFmt F = kPackFmt(T);
+  const int64_t B = o / F.bs, in = o - B * F.bs;
+  int64_t at = 0;
+  for (int i = 0; i < F.n_fields; ++i)
+    if (in >= F.f[i].off && in < F.f[i].off + F.f[i].bytes) at = F.f[i].at + 16 * (in - F.f[i].off);
+  return B * 16 * F.bs + at;
+}
 bool packable(DType t);
 // src row-major -> dst packed (distinct buffers of N * row_bytes).
 void pack_x16(DType t, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K);
