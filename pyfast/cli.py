@@ -387,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no per-tensor lines")
     p.set_defaults(fn=cmd_quantize)
 
-    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next)")
+    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF (Llama, Mistral, Qwen2 / 3 / 3-MoE, "
+                                       "GLM-4 MoE, Qwen3.5, Qwen3-Next)")
     p.add_argument("hf_dir", help="model directory: config.json, *.safetensors, tokenizer files")
     p.add_argument("output", help="destination GGUF file")
     p.add_argument("--outtype", type=str.lower, choices=["f32", "f16", "bf16"], default="f32",

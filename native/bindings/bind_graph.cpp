@@ -127,10 +127,18 @@ void bind_graph(py::module_& m) {
       .def("scale", [](G g, const Tensor& a, float s) { return rec(g, [&](Graph& gr) { return gr.scale(tid(*g, a), s); }); })
       .def("rms_norm", [](G g, const Tensor& a, float eps) { return rec(g, [&](Graph& gr) { return gr.rms_norm(tid(*g, a), eps); }); },
            py::arg("a"), py::arg("eps"))
-      .def("rope", [](G g, const Tensor& x, const Tensor& pos, int n_dims, int mode, float base, float fscale) {
-        return rec(g, [&](Graph& gr) { return gr.rope(tid(*g, x), tid(*g, pos), n_dims, mode, base, fscale); });
+      .def("rope", [](G g, const Tensor& x, const Tensor& pos, int n_dims, int mode, float base, float fscale,
+                      py::object freq_factors, float ext_factor, float attn_factor, float corr_low, float corr_high) {
+        return rec(g, [&](Graph& gr) {
+          return gr.rope(tid(*g, x), tid(*g, pos), n_dims, mode, base, fscale, opt_tid(*g, freq_factors), ext_factor,
+                         attn_factor, corr_low, corr_high);
+        });
       }, py::arg("x"), py::arg("pos"), py::arg("n_dims"), py::arg("mode") = 0, py::arg("freq_base") = 10000.0f,
-         py::arg("freq_scale") = 1.0f)
+         py::arg("freq_scale") = 1.0f, py::arg("freq_factors") = py::none(), py::arg("ext_factor") = 0.0f,
+         py::arg("attn_factor") = 1.0f, py::arg("corr_low") = 0.0f, py::arg("corr_high") = 0.0f,
+         "Rotary embedding: angle_i = pos * freq_scale * freq_base^(-2i/n_dims) / freq_factors[i]; with "
+         "ext_factor != 0, YaRN's ramp between corr_low and corr_high mixes in the unscaled angle and "
+         "cos / sin are scaled by attn_factor * (1 + 0.1 ln(1 / freq_scale)) (attn_factor alone otherwise).")
       .def("softmax", [](G g, const Tensor& a, py::object mask, float scale) {
         return rec(g, [&](Graph& gr) { return gr.softmax(tid(*g, a), opt_tid(*g, mask), scale); });
       }, py::arg("a"), py::arg("mask") = py::none(), py::arg("scale") = 1.0f)

@@ -199,7 +199,8 @@ int Graph::rms_norm(int a, float eps) {
   return push(std::move(n));
 }
 
-int Graph::rope(int x, int pos, int n_dims, int mode, float freq_base, float freq_scale) {
+int Graph::rope(int x, int pos, int n_dims, int mode, float freq_base, float freq_scale, int freq_factors,
+                float ext_factor, float attn_factor, float corr_low, float corr_high) {
   const Node& a = at(x);
   const Node& p = at(pos);
   need_dtype("rope", a, DType::F32, "x");
@@ -211,11 +212,24 @@ int Graph::rope(int x, int pos, int n_dims, int mode, float freq_base, float fre
     fail("rope", "n_dims must be even and in [2, min(head_dim, 1024)], got " + std::to_string(n_dims));
   if (mode != ROPE_NORMAL && mode != ROPE_NEOX) fail("rope", "mode must be 0 (normal) or 2 (neox)");
   if (!(freq_base > 0.0f) || !(freq_scale > 0.0f)) fail("rope", "freq_base and freq_scale must be > 0");
+  if (!std::isfinite(ext_factor) || !std::isfinite(attn_factor) || !std::isfinite(corr_low) || !std::isfinite(corr_high))
+    fail("rope", "ext_factor, attn_factor, corr_low and corr_high must be finite");
   Node n = make_node(Op::rope, DType::F32, make_shape(DType::F32, dims_of(a)), {x, pos});
+  if (freq_factors >= 0) {
+    const Node& f = at(freq_factors);
+    need_dtype("rope", f, DType::F32, "freq_factors");
+    if (f.shape.ndim != 1 || f.shape.dims[0] != n_dims / 2)
+      fail("rope", "freq_factors must be [n_dims / 2] = [" + std::to_string(n_dims / 2) + "], got " + f.shape.str());
+    n.src[n.n_src++] = freq_factors;
+  }
   n.params.i[0] = n_dims;
   n.params.i[1] = mode;
   n.params.f[0] = freq_base;
   n.params.f[1] = freq_scale;
+  n.params.f[2] = ext_factor;
+  n.params.f[3] = attn_factor;
+  n.params.f[4] = corr_low;
+  n.params.f[5] = corr_high;
   return push(std::move(n));
 }
 

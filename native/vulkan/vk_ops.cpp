@@ -61,8 +61,10 @@ bool op_supported(const Context& ctx, const Node& nd, const Node* const* src) {
   }
   switch (nd.op) {
     case Op::add: case Op::mul: case Op::scale: case Op::silu: case Op::sigmoid: case Op::softplus:
-    case Op::rms_norm: case Op::l2_norm: case Op::softmax: case Op::argmax: case Op::rope:
+    case Op::rms_norm: case Op::l2_norm: case Op::softmax: case Op::argmax:
       return true;
+    case Op::rope:  // the shader does plain rope: no freq factors, no YaRN, attn_factor 1
+      return nd.n_src == 2 && nd.params.f[2] == 0.0f && nd.params.f[3] == 1.0f;
     case Op::swiglu:
       for (int d = 0; d < 4; ++d)
         if (src[0]->shape.dims[d] != src[1]->shape.dims[d]) return false;

@@ -8,8 +8,10 @@
 Reads ``config.json`` and the ``*.safetensors`` weights (numpy only, no torch) and writes a GGUF
 file with llama.cpp's tensor names and metadata, so llama.cpp loads it too. Supported
 ``model_type`` values: ``qwen3_5`` / ``qwen3_5_text`` (Qwen3.5, GGUF arch ``qwen35``),
-``qwen3_5_moe`` / ``qwen3_5_moe_text`` (``qwen35moe``) and ``qwen3_next`` (``qwen3next``); see
-:mod:`pyfast.convert.qwen35` for the layout conventions. ``tokenizer.json`` (when present)
+``qwen3_5_moe`` / ``qwen3_5_moe_text`` (``qwen35moe``) and ``qwen3_next`` (``qwen3next``), see
+:mod:`pyfast.convert.qwen35`; ``llama`` / ``mistral`` (``llama``), ``qwen2``, ``qwen3`` and
+``qwen3_moe`` (``qwen3moe``), see :mod:`pyfast.convert.decoder`; ``glm4_moe`` (``glm4moe``, MTP
+layers as ``nextn`` blocks), see :mod:`pyfast.convert.glm4moe`. ``tokenizer.json`` (when present)
 becomes the ``tokenizer.*`` metadata; without it the file has no tokenizer and a warning says so.
 
 Output types: ``f32``, ``f16``, ``bf16``. Like llama.cpp's converter, 1-D tensors, norms, the MoE
@@ -33,7 +35,8 @@ __all__ = ["OUTTYPES", "SUPPORTED_MODEL_TYPES", "ConvertResult", "convert", "to_
 # output type -> (ggml type id, general.file_type)
 OUTTYPES: dict[str, tuple] = {"f32": (0, 0), "f16": (1, 1), "bf16": (30, 32)}
 QUANTIZATION_VERSION = 2
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
+                         "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
 
 
 @dataclass
@@ -72,17 +75,25 @@ def _read_config(hf_dir: str) -> dict:
     return cfg
 
 
-def _arch_of(cfg: dict, path: str) -> str:
-    from pyfast.convert import qwen35
+def _families() -> list:
+    """The converter modules, each with ARCH_BY_MODEL_TYPE, ARCH_BY_HF_ARCH, hparams, plan, metadata."""
+    from pyfast.convert import decoder, glm4moe, qwen35
 
+    return [qwen35, decoder, glm4moe]
+
+
+def _arch_of(cfg: dict, path: str) -> tuple[str, object]:
+    """(GGUF architecture, converter module) of a config."""
     mt = cfg.get("model_type")
-    if mt in qwen35.ARCH_BY_MODEL_TYPE:
-        return qwen35.ARCH_BY_MODEL_TYPE[mt]
+    for fam in _families():
+        if mt in fam.ARCH_BY_MODEL_TYPE:
+            return fam.ARCH_BY_MODEL_TYPE[mt], fam
     archs = cfg.get("architectures") or []
     if mt is None:
         for a in archs:
-            if a in qwen35.ARCH_BY_HF_ARCH:
-                return qwen35.ARCH_BY_HF_ARCH[a]
+            for fam in _families():
+                if a in fam.ARCH_BY_HF_ARCH:
+                    return fam.ARCH_BY_HF_ARCH[a], fam
     what = f"model_type {mt!r}" if mt is not None else f"architectures {archs!r}"
     raise ValueError(f"{path}: unsupported {what}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
@@ -98,7 +109,6 @@ def convert(hf_dir, out_path, mtp: bool = True, outtype: str = "f32",
         outtype: ``f32``, ``f16`` or ``bf16`` for the weight matrices.
         log: called with one line per tensor when given.
     """
-    from pyfast.convert import qwen35
     from pyfast.convert.hf_tokenizer import tokenizer_metadata
     from pyfast.convert.safetensors import SafetensorsDir
     from pyfast.gguf.writer import GGUFWriter
@@ -110,19 +120,19 @@ def convert(hf_dir, out_path, mtp: bool = True, outtype: str = "f32",
         raise ValueError(f"unknown output type {outtype!r}; use one of {', '.join(OUTTYPES)}")
     mat_type, file_type = OUTTYPES[ot]
     cfg = _read_config(hf_dir)
-    arch = _arch_of(cfg, os.path.join(hf_dir, "config.json"))
-    hp = qwen35.hparams(arch, cfg)
-    p = qwen35.plan(hp, SafetensorsDir(hf_dir), mtp=mtp)
+    arch, fam = _arch_of(cfg, os.path.join(hf_dir, "config.json"))
+    hp = fam.hparams(arch, cfg)
+    p = fam.plan(hp, SafetensorsDir(hf_dir), mtp=mtp)
 
     w = GGUFWriter(out_path)
     w.add("general.architecture", arch, "string")
     w.add("general.type", "model", "string")
     w.add("general.name", os.path.basename(os.path.normpath(hf_dir)), "string")
-    for key, value, typ in qwen35.metadata(hp, p.n_mtp):
+    for key, value, typ in fam.metadata(hp, p.n_mtp):
         w.add(key, value, typ)
     w.add("general.file_type", file_type, "uint32")
     w.add("general.quantization_version", QUANTIZATION_VERSION, "uint32")
-    default_pre = "qwen2" if arch == "qwen3next" else "qwen35"
+    default_pre = getattr(fam, "DEFAULT_PRE", {}).get(arch) or ("qwen2" if arch == "qwen3next" else "qwen35")
     tok = tokenizer_metadata(hf_dir, cfg, hp.n_vocab, default_pre)
     if tok is None:
         warnings.warn(f"{hf_dir}: no tokenizer.json; the GGUF file gets no tokenizer metadata", stacklevel=2)

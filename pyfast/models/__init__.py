@@ -10,10 +10,11 @@ import os
 from types import ModuleType
 
 from pyfast.gguf import GGUFReader
-from pyfast.models import llama, qwen3next, qwen35, qwen35moe
+from pyfast.models import glm4moe, llama, qwen2, qwen3, qwen3moe, qwen3next, qwen35, qwen35moe
 from pyfast.models.base import BatchShape, GraphBuilder, MemorySpec, Weights
 
-ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen35, qwen35moe, qwen3next)}
+ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next,
+                                                             glm4moe)}
 
 _MATMUL_DTYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 

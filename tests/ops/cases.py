@@ -11,6 +11,8 @@ accepts; test_ops.test_dtype_coverage checks every one of them has a case.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .harness import (
     BF16, EXACT, F16, F32, I32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QUANT, TOL_F32, TOL_QMM,
     WEIGHT_TYPES, K_QUANTS,
@@ -27,7 +29,7 @@ ACCEPTS = {
     "mul": {0: {F32}, 1: {F32}},
     "scale": {0: {F32}},
     "rms_norm": {0: {F32}},
-    "rope": {0: {F32}, 1: {I32}},
+    "rope": {0: {F32}, 1: {I32}, 2: {F32}},
     "softmax": {0: {F32}, 1: {F32}},
     "attention": {0: {F32}, 1: {F32, F16, Q8_0}, 2: {F32, F16, Q8_0}, 3: {F32}, 4: {I32}},
     "silu": {0: {F32}},
@@ -166,6 +168,19 @@ def _cases() -> list[Case]:
                  {"n_dims": 32, "mode": mode}),
             Case("rope", (Arg((3, 2, 34), layout=padded((1, 1, 3), step=2)), Arg((3,), I32, ints(0, 9))),
                  {"n_dims": 16, "mode": mode, "freq_base": 500.0}),
+            # per-pair frequency factors (Llama 3's rope_freqs), YaRN, both, and an attention factor
+            Case("rope", (Arg((5, 3, 64)), Arg((5,), I32, fixed([0, 1, 77, 900, 8191])),
+                          Arg((16,), F32, fixed(np.linspace(1.0, 8.0, 16)))),
+                 {"n_dims": 32, "mode": mode, "freq_base": 5e5}),
+            Case("rope", (Arg((6, 2, 48)), Arg((6,), I32, fixed([0, 3, 100, 2047, 4096, 70000]))),
+                 {"n_dims": 48, "mode": mode, "freq_base": 1e4, "freq_scale": 0.25, "ext_factor": 1.0,
+                  "corr_low": 4.0, "corr_high": 15.0}),
+            Case("rope", (Arg((4, 2, 32), layout=permuted(1, 0, 2)), Arg((4,), I32, ints(0, 5000)),
+                          Arg((8,), F32, fixed([1.0, 1.0, 2.0, 3.5, 4.0, 4.0, 6.0, 8.0]))),
+                 {"n_dims": 16, "mode": mode, "freq_scale": 0.5, "ext_factor": 0.5, "attn_factor": 0.8,
+                  "corr_low": 2.0, "corr_high": 2.0}),
+            Case("rope", (Arg((3, 1, 16)), Arg((3,), I32, fixed([1, 2, 3]))),
+                 {"n_dims": 16, "mode": mode, "attn_factor": 1.25}),
         ]
 
     # ---- softmax ----------------------------------------------------------------------------

@@ -524,12 +524,23 @@ def softmax_ref(z):
     return np.where(full, 0.0, out)
 
 
-def rope_ref(x, pos, n_dims, mode=0, freq_base=10000.0, freq_scale=1.0):
+def rope_ref(x, pos, n_dims, mode=0, freq_base=10000.0, freq_scale=1.0, freq_factors=None, ext_factor=0.0,
+             attn_factor=1.0, corr_low=0.0, corr_high=0.0):
     half = n_dims // 2
     i = np.arange(half, dtype=np.float64)
-    theta = pos.astype(np.float64)[:, None] * f32(freq_scale) * np.power(f32(freq_base), -2.0 * i / n_dims)
-    c = np.cos(theta)[:, None, :]
-    s = np.sin(theta)[:, None, :]
+    inv = np.power(f32(freq_base), -2.0 * i / n_dims)
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64)
+    p = pos.astype(np.float64)[:, None]
+    theta = p * f32(freq_scale) * inv
+    mscale = f32(attn_factor)
+    if ext_factor != 0.0:  # YaRN: the unscaled angle mixed in along a ramp over the pairs
+        ramp = 1.0 - np.clip((i - f32(corr_low)) / max(0.001, f32(corr_high) - f32(corr_low)), 0.0, 1.0)
+        mix = ramp * f32(ext_factor)
+        theta = theta * (1.0 - mix) + p * inv * mix
+        mscale *= 1.0 + 0.1 * np.log(1.0 / f32(freq_scale))
+    c = np.cos(theta)[:, None, :] * mscale
+    s = np.sin(theta)[:, None, :] * mscale
     if mode == 2:
         i0, i1 = np.arange(half), np.arange(half) + half
     else:
@@ -607,7 +618,8 @@ OPS: dict[str, OpSpec] = {
     "scale": OpSpec(lambda g, t, d, s: g.scale(t[0], s), lambda v, d, s: v[0] * f32(s)),
     "rms_norm": OpSpec(lambda g, t, d, eps: g.rms_norm(t[0], eps),
                        lambda v, d, eps: v[0] / np.sqrt(np.mean(v[0] ** 2, axis=-1, keepdims=True) + f32(eps))),
-    "rope": OpSpec(lambda g, t, d, **p: g.rope(t[0], t[1], **p), lambda v, d, **p: rope_ref(v[0], v[1], **p)),
+    "rope": OpSpec(lambda g, t, d, **p: g.rope(t[0], t[1], freq_factors=t[2] if len(t) > 2 else None, **p),
+                   lambda v, d, **p: rope_ref(v[0], v[1], freq_factors=v[2] if len(v) > 2 else None, **p)),
     "softmax": OpSpec(lambda g, t, d, scale=1.0: g.softmax(t[0], t[1] if len(t) > 1 else None, scale),
                       lambda v, d, scale=1.0: softmax_ref(v[0] * f32(scale) + (v[1] if len(v) > 1 else 0.0))),
     "attention": OpSpec(

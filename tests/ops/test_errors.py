@@ -67,6 +67,12 @@ BAD = {
         ("mode 1", lambda g: g.rope(_x(g, "x", F32, [3, 2, 8]), _x(g, "p", I32, [3]), 8, mode=1)),
         ("freq_base 0", lambda g: g.rope(_x(g, "x", F32, [3, 2, 8]), _x(g, "p", I32, [3]), 8, freq_base=0.0)),
         ("freq_scale < 0", lambda g: g.rope(_x(g, "x", F32, [3, 2, 8]), _x(g, "p", I32, [3]), 8, freq_scale=-1.0)),
+        ("freq_factors length", lambda g: g.rope(_x(g, "x", F32, [3, 2, 8]), _x(g, "p", I32, [3]), 8,
+                                                 freq_factors=_x(g, "f", F32, [8]))),
+        ("freq_factors f16", lambda g: g.rope(_x(g, "x", F32, [3, 2, 8]), _x(g, "p", I32, [3]), 8,
+                                              freq_factors=_x(g, "f", F16, [4]))),
+        ("ext_factor nan", lambda g: g.rope(_x(g, "x", F32, [3, 2, 8]), _x(g, "p", I32, [3]), 8,
+                                            ext_factor=float("nan"))),
         # the kernel keeps cos/sin for n_dims/2 <= 512 on the stack
         ("n_dims > 1024", lambda g: g.rope(_x(g, "x", F32, [2, 1, 1056]), _x(g, "p", I32, [2]), 1056)),
     ],
@@ -378,7 +384,8 @@ def _probe_builders():
     P["silu"] = lambda g, r, dt: g.silu(_x(g, "a", dt, [2, K]))
     P["argmax"] = lambda g, r, dt: g.argmax(_x(g, "a", dt, [2, K]))
     P["rope"] = lambda g, r, dt: g.rope(_x(g, "x", dt if r == 0 else F32, [T, 1, K]),
-                                        _x(g, "p", dt if r == 1 else I32, [T]), K)
+                                        _x(g, "p", dt if r == 1 else I32, [T]), K,
+                                        freq_factors=_x(g, "f", dt, [K // 2]) if r == 2 else None)
     P["softmax"] = lambda g, r, dt: g.softmax(_x(g, "a", dt if r == 0 else F32, [2, K]),
                                               _x(g, "m", dt if r == 1 else F32, [2, K]))
 

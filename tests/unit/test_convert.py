@@ -547,10 +547,10 @@ def test_bad_inputs(tmp_path):
         st_write(d / "model.safetensors", src if tensors is None else tensors)
         return d
 
-    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
-        convert_quiet(variant(lambda c: c.update(model_type="llama")), tmp_path / "o.gguf")
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt_neox'; supported model types: .*qwen3_moe"):
+        convert_quiet(variant(lambda c: c.update(model_type="gpt_neox")), tmp_path / "o.gguf")
     with pytest.raises(ValueError, match="unsupported architectures"):
-        convert_quiet(variant(lambda c: (c.pop("model_type"), c.update(architectures=["LlamaForCausalLM"]))),
+        convert_quiet(variant(lambda c: (c.pop("model_type"), c.update(architectures=["GPTNeoXForCausalLM"]))),
                       tmp_path / "o.gguf")
     miss = dict(src)
     del miss["model.layers.1.linear_attn.A_log"]

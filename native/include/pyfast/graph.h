@@ -60,7 +60,10 @@ class Graph {
   int mul(int a, int b);
   int scale(int a, float s);
   int rms_norm(int a, float eps);
-  int rope(int x, int pos, int n_dims, int mode, float freq_base, float freq_scale);
+  // freq_factors (-1: none) divides each pair's angle; ext_factor / attn_factor / corr_low /
+  // corr_high are YaRN's (ext_factor 0, attn_factor 1: plain rope)
+  int rope(int x, int pos, int n_dims, int mode, float freq_base, float freq_scale, int freq_factors = -1,
+           float ext_factor = 0.0f, float attn_factor = 1.0f, float corr_low = 0.0f, float corr_high = 0.0f);
   int softmax(int a, int mask, float scale);  // mask may be -1
   int attention(int q, int k, int v, int mask, int order, float scale);  // order may be -1
   int silu(int a);
