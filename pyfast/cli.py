@@ -46,9 +46,20 @@ def control_vector_kwargs(a: argparse.Namespace) -> dict:
 
 
 def add_cache_type_arguments(p: argparse.ArgumentParser) -> None:
-    """llama.cpp's KV cache type flags (generate, chat, perplexity, serve)."""
+    """llama.cpp's KV cache type flags (generate, chat, perplexity, serve), and its sparse attention
+    flags that come with them."""
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type for K: f16, f32, q8_0")
     p.add_argument("-ctv", "--cache-type-v", default=None, help="KV cache type for V (default: as K)")
+    p.add_argument("--dsa", choices=("on", "off"), default=None,
+                   help="DeepSeek sparse attention of deepseek32 / glm-dsa models (default: on)")
+    p.add_argument("--dsa-top-k", type=int, default=-1, metavar="N",
+                   help="cells each query keeps under sparse attention (-1: the model's)")
+
+
+def dsa_kwargs(a: argparse.Namespace) -> dict:
+    """LLM / EngineConfig keyword arguments from --dsa / --dsa-top-k."""
+    on = getattr(a, "dsa", None)
+    return dict(dsa=None if on is None else on == "on", dsa_top_k=getattr(a, "dsa_top_k", -1))
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -126,7 +137,8 @@ def _load(a):
 
     spec = _spec_config(a)  # checked before the model loads
     return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec,
-               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a))
+               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a),
+              **dsa_kwargs(a))
 
 
 def _print_timings(res) -> None:
@@ -197,7 +209,8 @@ def cmd_perplexity(a) -> int:
     with open(a.file, encoding="utf-8") as f:
         text = f.read()
     llm = LLM(a.model, n_ctx=max(a.ctx_size, 512), n_threads=a.threads, verbose=True,
-              cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a))
+              cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a),
+              **dsa_kwargs(a))
     res = llm.perplexity(text, n_ctx=a.ctx_size)
     print(f"chunks: {res.n_chunks}, scored tokens: {res.n_scored}")
     print(f"PPL = {res.ppl:.4f}")

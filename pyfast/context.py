@@ -79,6 +79,7 @@ class Context:
         self.n_threads = n_threads or default_threads()
         self.n_ubatch = n_ubatch
         self.export_hidden = export_hidden
+        self._sink = model.needs_sink  # DSA's per-sequence sink: an extra [T, n_kv] input per batch
         self.last_hidden: np.ndarray | None = None
         self.pool = native.ThreadPool(self.n_threads)
         spec = model.memory_spec()
@@ -94,7 +95,8 @@ class Context:
             self.memory: KVCache | HybridMemory = HybridMemory(self.kv, self.rec)
         else:
             n_layer, n_head_kv, head_dim = model.kv_geometry()
-            self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype, dtype_v=kv_dtype_v, device=self.device)
+            self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype, spec.head_dim_v, dtype_v=kv_dtype_v,
+                              device=self.device, v_in_k=spec.v_in_k)
             self.memory = self.kv
         self.n_seq_max, self.n_rollback = n_seq_max, n_rollback
         self._plans: OrderedDict[tuple, object] = OrderedDict()
@@ -226,6 +228,10 @@ class Context:
         plan.set_input("kv_idx", slots.rows)
         plan.set_input("mask", slots.mask)
         plan.set_input("kv_order", slots.order)
+        if self._sink:
+            from pyfast.models.dsa import sink_boost
+
+            plan.set_input("kv_sink", sink_boost(slots.mask, slots.order))
         if seg_rows is not None:
             plan.set_input("seqs", seg_rows)
         t0 = time.perf_counter()

@@ -104,6 +104,9 @@ class LLM:
     --control-vector): paths (strength 1) or (path, strength) pairs, summed; or a
     ``pyfast.control_vector.ControlVector``. control_vector_layer_range: (first, last) layer whose
     output gets its direction, inclusive (default 1 .. n_layer).
+    dsa, dsa_top_k: DeepSeek Sparse Attention of deepseek32 / glm-dsa models (llama.cpp's --dsa,
+    --dsa-top-k): on (None: the default) or off, and the cells each query keeps (-1: the model's
+    ``attention.indexer.top_k``). dsa=True on a model without sparse attention is a ValueError.
     device: where the model runs: "cpu" (default) or a device from ``pyfast.devices()`` such as
     "vulkan:0". The weights are uploaded to it once and the KV cache and recurrent state live in
     its memory; ops it has no kernel for run on the CPU. A device that does not exist is a
@@ -114,7 +117,8 @@ class LLM:
                  n_threads: int | None = None, n_ubatch: int = 512, verbose: bool = False,
                  speculative: SpecConfig | None = None, n_seq_max: int = 4, cache_type_k: str = "f16",
                  cache_type_v: str | None = None, control_vectors=None,
-                 control_vector_layer_range: tuple[int, int] | None = None, device: str | None = None):
+                 control_vector_layer_range: tuple[int, int] | None = None, device: str | None = None,
+                 dsa: bool | None = None, dsa_top_k: int = -1):
         from pyfast.chat import ChatTemplate
         from pyfast.device import open_device
         from pyfast.hub import resolve_model
@@ -128,6 +132,7 @@ class LLM:
         self.model = Model(path, mmap=True) if dev is not None else Model(path)
         if cvec is not None:
             self.model.set_control_vector(cvec, *(control_vector_layer_range or (None, None)))
+        self.model.set_dsa(on=dsa, top_k=dsa_top_k)
         self.tokenizer = Tokenizer.from_gguf_metadata(self.model.metadata)
         self.chat_template = ChatTemplate.from_metadata(self.model.metadata, self.tokenizer)
         props = None

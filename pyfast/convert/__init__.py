@@ -77,9 +77,9 @@ def _read_config(hf_dir: str) -> dict:
 
 def _families() -> list:
     """The converter modules, each with ARCH_BY_MODEL_TYPE, ARCH_BY_HF_ARCH, hparams, plan, metadata."""
-    from pyfast.convert import decoder, glm4moe, qwen35
+    from pyfast.convert import decoder, deepseek, glm4moe, qwen35
 
-    return [qwen35, decoder, glm4moe]
+    return [qwen35, decoder, glm4moe, deepseek]
 
 
 def _arch_of(cfg: dict, path: str) -> tuple[str, object]:

@@ -67,9 +67,11 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int,
                  dtype: "native.DType" = native.DType.F16, head_dim_v: int | None = None,
-                 dtype_v: "native.DType | None" = None, device=None):
+                 dtype_v: "native.DType | None" = None, device=None, v_in_k: bool = False):
         """device: an opened native Device; the rows then live in its memory (graphs on that device
-        read and write them there) and save / restore copy them explicitly."""
+        read and write them there) and save / restore copy them explicitly. v_in_k: a cell's value
+        row is the first head_dim_v columns of its K row (MLA, whose value is the cached latent):
+        no V storage is kept; it needs V stored as K (same type) and head_dim_v <= head_dim."""
         if n_ctx <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         self.n_layer = n_layer
@@ -79,18 +81,20 @@ class KVCache:
         self.head_dim_v = head_dim_v or head_dim
         self.dtype = cache_dtype(dtype, "K cache type")        # K rows
         self.dtype_v = cache_dtype(dtype if dtype_v is None else dtype_v, "V cache type")
+        # V inside K only where the stored values are the same (a different V type needs its own rows)
+        self.v_in_k = bool(v_in_k) and self.dtype_v == self.dtype and self.head_dim_v <= head_dim
         for dt, d, what in ((self.dtype, head_dim, "K"), (self.dtype_v, self.head_dim_v, "V")):
             bs = native.dtype_block_size(dt)
             if d % bs:
                 raise ValueError(f"{what} cache type {dt.name.lower()} needs a head dim that is a multiple of "
                                  f"{bs}; this model's is {d}")
         self.k_row_bytes = native.dtype_row_size(self.dtype, head_dim)  # one head of one cell
-        self.v_row_bytes = native.dtype_row_size(self.dtype_v, self.head_dim_v)
+        self.v_row_bytes = 0 if self.v_in_k else native.dtype_row_size(self.dtype_v, self.head_dim_v)
         self.k_layer_bytes = n_head_kv * n_ctx * self.k_row_bytes
         self.v_layer_bytes = n_head_kv * n_ctx * self.v_row_bytes
         self.device = device
         self.k = native.Buffer(n_layer * self.k_layer_bytes, device=device)
-        self.v = native.Buffer(n_layer * self.v_layer_bytes, device=device)
+        self.v = None if self.v_in_k else native.Buffer(n_layer * self.v_layer_bytes, device=device)
         self.cell_pos = np.full(n_ctx, -1, dtype=np.int32)
         self.cell_seq = np.full(n_ctx, -1, dtype=np.int32)
         self._used_top = 0  # one past the highest used cell
@@ -145,6 +149,8 @@ class KVCache:
     # --- per-sequence copies (state save / restore) ----------------------------------------
     def _rows(self, buf, row_bytes: int) -> np.ndarray:
         """[n_layer, n_head_kv, n_ctx, row_bytes] uint8 view of a cache buffer."""
+        if buf is None:  # v_in_k: no V rows of their own
+            return np.zeros((self.n_layer, self.n_head_kv, self.n_ctx, 0), dtype=np.uint8)
         return np.frombuffer(buf, dtype=np.uint8).reshape(self.n_layer, self.n_head_kv, self.n_ctx, row_bytes)
 
     def save_seq(self, seq: int) -> KVRows:
@@ -154,7 +160,8 @@ class KVCache:
         n = cells.size
         if self.device is not None:  # the device holds the rows
             self.k.to_host()
-            self.v.to_host()
+            if self.v is not None:
+                self.v.to_host()
         # [n_layer, head, cell, bytes] -> [n_layer, cell, head * bytes]: a cell's heads side by side
         H = self.n_head_kv
         k = self._rows(self.k, self.k_row_bytes)[:, :, cells].transpose(0, 2, 1, 3).reshape(
@@ -183,12 +190,14 @@ class KVCache:
         H = self.n_head_kv
         if self.device is not None:  # bring the other rows up to date before writing them all back
             self.k.to_host()
-            self.v.to_host()
+            if self.v is not None:
+                self.v.to_host()
         kr[:, :, idx] = rows.k.reshape(self.n_layer, n, H, self.k_row_bytes).transpose(0, 2, 1, 3)
         vr[:, :, idx] = rows.v.reshape(self.n_layer, n, H, self.v_row_bytes).transpose(0, 2, 1, 3)
         if self.device is not None:
             self.k.to_device()
-            self.v.to_device()
+            if self.v is not None:
+                self.v.to_device()
         self.cell_pos[idx] = rows.pos
         self.cell_seq[idx] = seq
         if n:

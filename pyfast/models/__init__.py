@@ -16,6 +16,11 @@ from pyfast.models.base import BatchShape, GraphBuilder, MemorySpec, Weights
 ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next,
                                                              glm4moe)}
 
+# MLA + MoE family (DeepSeek-V3; the DSA variants add the lightning indexer)
+from pyfast.models import deepseek2, deepseek32, glm_dsa  # noqa: E402
+
+ARCHITECTURES.update({m.ARCH: m for m in (deepseek2, deepseek32, glm_dsa)})
+
 _MATMUL_DTYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -100,6 +105,42 @@ class Model:
             raise ValueError("set_control_vector: graphs of this model were already built and keep their "
                              "control vectors; set it before the first decode (or load the model again)")
         self.control = {} if cv is None else cv.layers(self.args.n_layer, self.args.n_embd, start, end)
+
+    @property
+    def is_dsa(self) -> bool:
+        """Whether the architecture has DeepSeek Sparse Attention (deepseek32, glm-dsa)."""
+        return bool(getattr(self.args, "extra", {}).get("dsa"))
+
+    def set_dsa(self, on: bool | None = None, top_k: int | None = None, sink: bool | None = None,
+                hadamard: bool | None = None) -> None:
+        """DeepSeek Sparse Attention settings (llama.cpp's --dsa on|off, --dsa-top-k N): on /
+        off, the number of cells each query keeps (None or -1: the model's), the per-sequence sink
+        and the Hadamard rotation of the indexer's q / k. Call it before the first decode (contexts
+        keep the plans they built); a model without DSA accepts only on=None / False."""
+        if not self.is_dsa:
+            if on:
+                raise ValueError(f"{self.path}: architecture {self.arch.ARCH!r} has no sparse attention (--dsa on)")
+            return
+        if self._built:
+            raise ValueError("set_dsa: graphs of this model were already built; set DSA options before the "
+                             "first decode (or load the model again)")
+        x = self.args.extra
+        if on is not None:
+            x["dsa_on"] = bool(on)
+        if top_k is not None and top_k != -1:
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+                raise ValueError(f"dsa top-k must be a positive integer or -1 (the model's), got {top_k!r}")
+            x["idx_top_k"] = top_k
+        if sink is not None:
+            x["sink"] = bool(sink)
+        if hadamard is not None:
+            x["hadamard"] = bool(hadamard)
+
+    @property
+    def needs_sink(self) -> bool:
+        """Whether graphs take the "kv_sink" input (DSA with the per-sequence sink on)."""
+        f = getattr(self.arch, "needs_sink", None)
+        return bool(f(self.args)) if f is not None else False
 
     @property
     def supports_hidden(self) -> bool:

@@ -233,6 +233,7 @@ class MemorySpec:
     n_head_kv: int
     head_dim: int
     head_dim_v: int | None = None
+    v_in_k: bool = False   # values are the leading head_dim_v columns of the K rows (MLA)
     recurrent_layers: tuple[int, ...] = ()
     recurrent: "object | None" = None  # pyfast.memory.recurrent.RecurrentGeometry
 
@@ -311,27 +312,41 @@ class GraphBuilder:
         up = self.linear(x, f"{prefix}.ffn_up.weight")
         return self.linear(g.swiglu(gate, up), f"{prefix}.ffn_down.weight")
 
-    def kv_attention(self, il: int, q, k, v, scale: float):
+    def kv_attention(self, il: int, q, k, v, scale: float, mask=None):
         """Write k/v of this batch into layer il's cache and attend over the visible cells.
 
         q: [T, n_head, head_dim], k: [T, n_head_kv, head_dim], v: [T, n_head_kv, head_dim_v]
+        mask: [T, n_kv] additive mask in place of the batch's causal one (which it must include)
         returns [T, n_head * head_dim_v]
         """
+        k_vis, v_vis = self.kv_store(il, k, v)
+        return self.attend(q, k_vis, v_vis, scale, mask)
+
+    def attend(self, q, k_vis, v_vis, scale: float, mask=None):
+        """Attention of q over kv_store's visible cells -> [T, n_head * head_dim_v]."""
+        g = self.g
+        o = g.attention(q, k_vis, v_vis, self.mask if mask is None else mask, self.kv_order, scale)
+        return g.reshape(o, [self.shape.n_tokens, q.shape[1] * v_vis.shape[2]])
+
+    def kv_store(self, il: int, k, v):
+        """Write k/v of this batch into layer il's cache; returns the visible cells' views
+        (k_vis [n_kv, n_head_kv, head_dim], v_vis [n_kv, n_head_kv, head_dim_v], in cache dtypes)."""
         g, kv, T, n_kv = self.g, self.kv, self.shape.n_tokens, self.shape.n_kv
         H, n_ctx = kv.n_head_kv, kv.n_ctx
         # the cache is head-major ([H, n_ctx, D] per layer, see kv_cache.py): the batch's K/V go
         # in as T * H rows (kv_idx: BatchSlots.rows), attention sees them as [n_kv, H, D]
         k_cache = g.external(f"cache_k.{il}", kv.dtype, [H * n_ctx, kv.head_dim], kv.k, offset=il * kv.k_layer_bytes)
+        k_all = g.set_rows(k_cache, g.reshape(k, [T * H, kv.head_dim]), self.kv_idx)
+        kb = kv.k_row_bytes
+        k_vis = g.view(k_all, [n_kv, H, kv.head_dim], [kb, n_ctx * kb, _elem_stride(kv.dtype)])
+        if getattr(kv, "v_in_k", False):  # the values are the K rows' leading columns (MLA's latent)
+            return k_vis, g.view(k_all, [n_kv, H, kv.head_dim_v], [kb, n_ctx * kb, _elem_stride(kv.dtype)])
         v_cache = g.external(f"cache_v.{il}", kv.dtype_v, [H * n_ctx, kv.head_dim_v], kv.v,
                              offset=il * kv.v_layer_bytes)
-        k_all = g.set_rows(k_cache, g.reshape(k, [T * H, kv.head_dim]), self.kv_idx)
         v_all = g.set_rows(v_cache, g.reshape(v, [T * H, kv.head_dim_v]), self.kv_idx)
-        kb, vb = kv.k_row_bytes, kv.v_row_bytes
-        k_vis = g.view(k_all, [n_kv, H, kv.head_dim], [kb, n_ctx * kb, _elem_stride(kv.dtype)])
+        vb = kv.v_row_bytes
         v_vis = g.view(v_all, [n_kv, H, kv.head_dim_v], [vb, n_ctx * vb, _elem_stride(kv.dtype_v)])
-        o = g.attention(q, k_vis, v_vis, self.mask, self.kv_order, scale)
-        n_head = q.shape[1]
-        return g.reshape(o, [T, n_head * kv.head_dim_v])
+        return k_vis, v_vis
 
     def ssm_conv(self, ir: int, x, w):
         """Causal depthwise conv of recurrent layer ir over the batch, through its state planes.

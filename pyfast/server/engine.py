@@ -80,6 +80,8 @@ class EngineConfig:
     device: str | None = None    # "cpu" (default) or a device such as "vulkan:0" (pyfast.devices())
     control_vectors: list | None = None  # [(GGUF path, strength)] (llama-server's --control-vector[-scaled])
     control_vector_layer_range: tuple[int, int] | None = None  # first and last layer, inclusive
+    dsa: bool | None = None      # DeepSeek sparse attention on / off (None: the model's default, on)
+    dsa_top_k: int = -1          # cells each query keeps under DSA (-1: the model's)
     _control: "ControlVector | None" = field(default=None, init=False, repr=False, compare=False)  # read by validate()
     _device: object = field(default=None, init=False, repr=False, compare=False)  # opened by validate()
 
@@ -250,6 +252,7 @@ class Engine:
         self.model = Model(self.model_path, mmap=True) if cfg._device is not None else Model(self.model_path)
         if cfg._control is not None:  # validate() read the files
             self.model.set_control_vector(cfg._control, *(cfg.control_vector_layer_range or (None, None)))
+        self.model.set_dsa(on=cfg.dsa, top_k=cfg.dsa_top_k)
         self.tokenizer = Tokenizer.from_gguf_metadata(self.model.metadata)
         self.chat_template = None
         self.template_error = ""

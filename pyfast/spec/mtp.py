@@ -195,7 +195,9 @@ class MTPProposer(Proposer):
                 dtype, dtype_v = self.target.kv.dtype, self.target.kv.dtype_v
             else:
                 dtype, dtype_v = native.DType.F16, None
-            self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, dtype_v=dtype_v, device=self._device())
+            # head_dim_v: MLA blocks (DeepSeek / GLM) keep a value row narrower than the key row
+            self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, getattr(a, "head_dim_v", None),
+                              dtype_v=dtype_v, device=self._device(), v_in_k=getattr(a, "v_in_k", False))
         if self.pool is None:
             from pyfast.context import default_threads
 

@@ -182,8 +182,11 @@ void topk_select(const TopkLess& less, int64_t E, int64_t k, int32_t* o, int32_t
       o[pos] = i;
     }
   } else {
+    // Select, then sort the k picks: O(E + k log k). less is a strict total order (ties go to
+    // the lower index, NaN ranks last), so the result is the same as a full sort's first k.
     for (int32_t i = 0; i < (int32_t)E; ++i) idx[i] = i;
-    std::partial_sort(idx, idx + k, idx + E, less);
+    if (k < E) std::nth_element(idx, idx + (k - 1), idx + E, less);
+    std::sort(idx, idx + k, less);
     std::memcpy(o, idx, (size_t)k * 4);
   }
 }
