@@ -82,6 +82,8 @@ class Context:
         self._sink = model.needs_sink  # DSA's per-sequence sink: an extra [T, n_kv] input per batch
         self.last_hidden: np.ndarray | None = None
         self.pool = native.ThreadPool(self.n_threads)
+        # sliding-window attention layers (Gemma): their mask ("mask_swa") is built per batch
+        self.swa_window = int(getattr(model.args, "swa_window", 0) or 0)
         spec = model.memory_spec()
         self.rec: RecurrentMemory | None = None
         if spec.is_recurrent:
@@ -234,10 +236,20 @@ class Context:
             plan.set_input("kv_sink", sink_boost(slots.mask, slots.order))
         if seg_rows is not None:
             plan.set_input("seqs", seg_rows)
+        if self.swa_window:
+            plan.set_input("mask_swa", self._swa_mask(slots, pos))
         t0 = time.perf_counter()
         plan.run()
         self.t_compute += time.perf_counter() - t0
         self._last_plan = plan
+
+    def _swa_mask(self, slots, pos: np.ndarray) -> np.ndarray:
+        """The sliding-window layers' mask [T, n_kv]: the batch's causal mask without the cells
+        swa_window or more positions behind each query (a query at p sees p - W < q <= p)."""
+        cp = self.kv.cell_pos[: slots.n_kv]
+        m = np.array(slots.mask, dtype=np.float32).reshape(len(pos), slots.n_kv)
+        m[(np.asarray(pos, dtype=np.int64)[:, None] - cp[None, :]) >= self.swa_window] = -np.inf
+        return m
 
     def last_argmax(self) -> np.ndarray:
         """int32 [n_out]: the first maximum of each logits row of the last plan run (the rows

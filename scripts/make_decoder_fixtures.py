@@ -49,16 +49,16 @@ if str(ROOT) not in sys.path:
 
 from scripts.make_hybrid_fixtures import QWEN2_SPLIT, VOCAB_SIZE, write_tokenizer  # noqa: E402
 
-NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe")
+NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3")
 SEQ_LENS = (13, 9)
 N_PREFILL = 5
-BASE_SEED = {"llama3": 2501, "qwen2": 2502, "qwen3": 2503, "qwen3moe": 2504, "glm4moe": 2505}
+BASE_SEED = {"llama3": 2501, "qwen2": 2502, "qwen3": 2503, "qwen3moe": 2504, "glm4moe": 2505, "gemma3": 2506}
 MOE = ("qwen3moe", "glm4moe")
 MIN_ROUTER_MARGIN = 1e-4
 
 
 def make_config(name: str, special: dict[str, int]):
-    from transformers import Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     eos = special["<|endoftext|>"]
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -87,23 +87,36 @@ def make_config(name: str, special: dict[str, int]):
                              routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1,
                              use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
                              tie_word_embeddings=False, rope_parameters=rope)
+    if name == "gemma3":
+        rope = {"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}
+        return Gemma3TextConfig(**{k: v for k, v in common.items() if k not in ("hidden_act", "num_hidden_layers")},
+                                head_dim=16, intermediate_size=96,
+                                hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                rope_parameters=rope, query_pre_attn_scalar=24, sliding_window=4,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                             "sliding_attention"], num_hidden_layers=4,
+                                final_logit_softcapping=5.0, attn_logit_softcapping=None)
     raise ValueError(name)
 
 
 def model_class(name: str):
     from transformers import (
-        Glm4MoeForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+        Gemma3ForCausalLM, Glm4MoeForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+        Qwen3MoeForCausalLM,
     )
 
     return {"llama3": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-            "qwen3moe": Qwen3MoeForCausalLM, "glm4moe": Glm4MoeForCausalLM}[name]
+            "qwen3moe": Qwen3MoeForCausalLM, "glm4moe": Glm4MoeForCausalLM, "gemma3": Gemma3ForCausalLM}[name]
 
 
-def random_param(name: str, shape: tuple, rng: np.random.Generator, tied: bool) -> np.ndarray:
-    """A value for parameter ``name`` at a scale that keeps activations O(1)."""
+def random_param(name: str, shape: tuple, rng: np.random.Generator, tied: bool,
+                 zero_centred: bool = False) -> np.ndarray:
+    """A value for parameter ``name`` at a scale that keeps activations O(1) (zero_centred: the
+    model's norms scale by 1 + w, as Gemma's)."""
     last = name.rsplit(".", 1)[-1]
-    if "norm" in name and len(shape) == 1:                     # these models scale by w
-        return rng.uniform(0.6, 1.4, shape)
+    if ("norm" in name or "layernorm" in name) and len(shape) == 1:
+        return rng.uniform(-0.4, 0.4, shape) if zero_centred else rng.uniform(0.6, 1.4, shape)
     if last == "bias":
         return rng.standard_normal(shape) * 0.3
     if last == "e_score_correction_bias":                      # the router's selection bias
@@ -119,11 +132,12 @@ def random_param(name: str, shape: tuple, rng: np.random.Generator, tied: bool) 
     raise ValueError(f"no init rule for parameter {name} {shape}")
 
 
-def randomize(model, rng: np.random.Generator, tied: bool) -> None:
+def randomize(model, rng: np.random.Generator, tied: bool, zero_centred: bool = False) -> None:
     import torch
 
     sd = model.state_dict()
-    new = {k: torch.from_numpy(np.asarray(random_param(k, tuple(sd[k].shape), rng, tied), dtype=np.float32))
+    new = {k: torch.from_numpy(np.asarray(random_param(k, tuple(sd[k].shape), rng, tied, zero_centred),
+                                          dtype=np.float32))
            for k in sorted(sd) if not (tied and k == "lm_head.weight")}
     missing, unexpected = model.load_state_dict(new, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -260,7 +274,7 @@ def build_one(name: str, out_dir: Path, seed: int) -> dict:
     torch.manual_seed(seed)
     cls = model_class(name)
     model = cls(cfg)
-    randomize(model, rng, cfg.tie_word_embeddings)
+    randomize(model, rng, cfg.tie_word_embeddings, zero_centred=name.startswith("gemma"))
     mtp_ckpt = mtp_checkpoint(cfg, rng) if name == "glm4moe" else {}
     model.save_pretrained(str(hf_dir))
     if mtp_ckpt:

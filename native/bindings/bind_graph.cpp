@@ -157,6 +157,10 @@ void bind_graph(py::module_& m) {
       .def("softplus", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.softplus(tid(*g, a)); }); })
       .def("relu", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.relu(tid(*g, a)); }); },
            py::arg("a"), "max(a, 0) elementwise")
+      .def("gelu", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.gelu(tid(*g, a)); }); },
+           py::arg("a"), "GELU, tanh form (gelu_pytorch_tanh): 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3)))")
+      .def("tanh", [](G g, const Tensor& a) { return rec(g, [&](Graph& gr) { return gr.tanh(tid(*g, a)); }); },
+           py::arg("a"), "tanh(a) elementwise (logit soft-capping)")
       .def("l2_norm", [](G g, const Tensor& a, float eps) { return rec(g, [&](Graph& gr) { return gr.l2_norm(tid(*g, a), eps); }); },
            py::arg("a"), py::arg("eps") = 1e-6f, "a / sqrt(sum(a^2, -1) + eps)")
       .def("concat", [](G g, const Tensor& a, const Tensor& b, int axis) {

@@ -368,6 +368,16 @@ int Graph::relu(int a) {
   return push(make_node(Op::relu, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a}));
 }
 
+int Graph::gelu(int a) {
+  need_dtype("gelu", at(a), DType::F32, "a");
+  return push(make_node(Op::gelu, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a}));
+}
+
+int Graph::tanh(int a) {
+  need_dtype("tanh", at(a), DType::F32, "a");
+  return push(make_node(Op::tanh, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a}));
+}
+
 int Graph::l2_norm(int a, float eps) {
   need_dtype("l2_norm", at(a), DType::F32, "a");
   if (!(eps >= 0.0f)) fail("l2_norm", "eps must be >= 0");

@@ -51,11 +51,22 @@ def _split_regexes(pre: Any) -> list[str]:
 
 
 def detect_pre(tokenizer_json: dict[str, Any], default: str) -> str:
-    """``qwen35`` when the split regex groups combining marks with letters (``[\\p{L}\\p{M}]+``,
-    Qwen3.5's tokenizer), ``qwen2`` for the older Qwen split, ``default`` when there is no regex."""
+    """The ``tokenizer.ggml.pre`` name for the split regexes: ``default`` when there are none or
+    they are exactly default's (``llama-bpe`` and ``glm4`` share Llama 3's split), else the
+    pre-tokenizer whose regexes they are exactly (``llama3``, ``qwen2``, ``qwen35``, ``gpt-4o``, ...),
+    else ``qwen35`` when the split groups combining marks with letters (``[\\p{L}\\p{M}]+``) and
+    ``qwen2`` otherwise."""
+    from pyfast.tokenizer import PRE_TOKENIZER_REGEXES, _PRE_ALIASES
+
     regexes = _split_regexes(tokenizer_json.get("pre_tokenizer"))
     if not regexes:
         return default
+    canon = _PRE_ALIASES.get(default, (None,))[0]
+    if canon is not None and PRE_TOKENIZER_REGEXES.get(canon) == regexes:
+        return default
+    for name, rx in PRE_TOKENIZER_REGEXES.items():
+        if rx == regexes and name != "default":
+            return {"gpt4o": "gpt-4o"}.get(name, name)
     return "qwen35" if any(r"\p{M}" in r for r in regexes) else "qwen2"
 
 

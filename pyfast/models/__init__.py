@@ -10,11 +10,11 @@ import os
 from types import ModuleType
 
 from pyfast.gguf import GGUFReader
-from pyfast.models import glm4moe, llama, qwen2, qwen3, qwen3moe, qwen3next, qwen35, qwen35moe
+from pyfast.models import gemma3, glm4moe, llama, qwen2, qwen3, qwen3moe, qwen3next, qwen35, qwen35moe
 from pyfast.models.base import BatchShape, GraphBuilder, MemorySpec, Weights
 
 ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next,
-                                                             glm4moe)}
+                                                             glm4moe, gemma3)}
 
 # MLA + MoE family (DeepSeek-V3; the DSA variants add the lightning indexer)
 from pyfast.models import deepseek2, deepseek32, glm_dsa  # noqa: E402

@@ -14,8 +14,9 @@ from pyfast.context import Context
 from pyfast.models import Model
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "decoder"
-NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe")
-ARCH = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "glm4moe": "glm4moe"}
+NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3")
+ARCH = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "glm4moe": "glm4moe",
+        "gemma3": "gemma3"}
 TOL = 1e-3
 
 
@@ -129,3 +130,44 @@ def test_unsupported_architecture_lists_supported(converted, tmp_path):
         Model(tmp_path / "other.gguf")
     for arch in ("llama", "qwen2", "qwen3", "qwen3moe", "qwen35"):
         assert arch in ARCHITECTURES and arch in str(e.value)
+
+
+def test_gemma3_layer_types_and_window(converted):
+    """gemma3: sliding layers (window 4 over 13-token prompts), their own rope base, the attention
+    scale from query_pre_attn_scalar and the final soft-cap are all read, and each one matters."""
+    from dataclasses import replace
+
+    path, ref = converted["gemma3"]
+    model = Model(path)
+    a = model.args
+    assert a.swa_layers == (True, True, False, True) and a.swa_window == 4
+    assert a.rope_swa.base == 10000.0 and a.rope.base == 1e6 and a.rope.freq_scale == 0.5
+    assert abs(a.attn_scale - 24 ** -0.5) < 1e-7 and a.final_softcap == 5.0
+    toks = ref["tokens_0"]
+    base = ctx_of(model).decode(toks, logits="all")
+    assert rel_err(base, ref["logits_0"]) < TOL
+    assert np.abs(base).max() < 5.0                     # soft-capped
+    for change in (dict(swa_window=64), dict(swa_layers=(False,) * 4, swa_window=0), dict(final_softcap=0.0),
+                   dict(rope_swa=a.rope), dict(attn_scale=0.25)):
+        model.args = replace(a, **change)
+        assert rel_err(ctx_of(model).decode(toks, logits="all"), ref["logits_0"]) > 1e-2, change
+    model.args = a
+
+
+def test_pre_tokenizer_detected_from_the_split_regex():
+    """Llama 3's split regex converts to llama-bpe (a GLM checkpoint's to glm4), Qwen's to qwen2 /
+    qwen35 whatever the model type."""
+    from pyfast.convert.hf_tokenizer import detect_pre
+    from pyfast.tokenizer import PRE_TOKENIZER_REGEXES
+
+    def tj(rx):
+        return {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": rx}}, {"type": "ByteLevel", "use_regex": False}]}}
+
+    llama3, qwen2 = PRE_TOKENIZER_REGEXES["llama3"][0], PRE_TOKENIZER_REGEXES["qwen2"][0]
+    assert detect_pre(tj(llama3), "llama-bpe") == "llama-bpe"
+    assert detect_pre(tj(llama3), "glm4") == "glm4"
+    assert detect_pre(tj(llama3), "qwen2") == "llama3"
+    assert detect_pre(tj(qwen2), "llama-bpe") == "qwen2"
+    assert detect_pre(tj(PRE_TOKENIZER_REGEXES["qwen35"][0]), "qwen2") == "qwen35"
+    assert detect_pre({}, "llama-bpe") == "llama-bpe"

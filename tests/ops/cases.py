@@ -43,6 +43,8 @@ ACCEPTS = {
     "sigmoid": {0: {F32}},
     "softplus": {0: {F32}},
     "relu": {0: {F32}},
+    "gelu": {0: {F32}},
+    "tanh": {0: {F32}},
     "l2_norm": {0: {F32}},
     "concat": {0: {F32}, 1: {F32}},
     "sum": {0: {F32}},
@@ -363,7 +365,7 @@ def _moe_cases() -> list[Case]:
     C: list[Case] = []
     # ---- sigmoid / softplus (softplus returns x itself above 20, as torch) -------------------
     edge = [-100.0, -89.0, -20.0, -1e-3, 0.0, 1e-3, 19.9, 20.0, 20.1, 30.0, 89.0, 100.0]
-    for op in ("sigmoid", "softplus", "relu"):
+    for op in ("sigmoid", "softplus", "relu", "gelu", "tanh"):
         C += [
             Case(op, (Arg((7, 33), normal(10.0)),)),
             Case(op, (Arg((1,), F32, fixed([-2.5])),)),

@@ -187,6 +187,8 @@ BAD.update({
     "sigmoid": [("a f16", lambda g: g.sigmoid(_x(g, "a", F16, [4, 8])))],
     "softplus": [("a i32", lambda g: g.softplus(_x(g, "a", I32, [4, 8])))],
     "relu": [("a f16", lambda g: g.relu(_x(g, "a", F16, [4, 8])))],
+    "gelu": [("a f16", lambda g: g.gelu(_x(g, "a", F16, [4, 8])))],
+    "tanh": [("a bf16", lambda g: g.tanh(_x(g, "a", BF16, [4, 8])))],
     "l2_norm": [
         ("a bf16", lambda g: g.l2_norm(_x(g, "a", BF16, [4, 8]), 1e-6)),
         ("negative eps", lambda g: g.l2_norm(_x(g, "a", F32, [4, 8]), -1e-6)),
@@ -405,6 +407,8 @@ def _probe_builders():
     P["sigmoid"] = lambda g, r, dt: g.sigmoid(_x(g, "a", dt, [2, K]))
     P["softplus"] = lambda g, r, dt: g.softplus(_x(g, "a", dt, [2, K]))
     P["relu"] = lambda g, r, dt: g.relu(_x(g, "a", dt, [2, K]))
+    P["gelu"] = lambda g, r, dt: g.gelu(_x(g, "a", dt, [2, K]))
+    P["tanh"] = lambda g, r, dt: g.tanh(_x(g, "a", dt, [2, K]))
     P["l2_norm"] = lambda g, r, dt: g.l2_norm(_x(g, "a", dt, [2, K]), 1e-6)
     P["concat"] = lambda g, r, dt: g.concat(_x(g, "a", dt if r == 0 else F32, [2, K]),
                                             _x(g, "b", dt if r == 1 else F32, [2, K]), 0)

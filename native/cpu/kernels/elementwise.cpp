@@ -1,4 +1,4 @@
-// Elementwise and data-movement kernels: add, mul, scale, silu, swiglu, sigmoid, softplus, relu, cpy,
+// Elementwise and data-movement kernels: add, mul, scale, silu, swiglu, sigmoid, softplus, relu, gelu, tanh, cpy,
 // get_rows, set_rows, concat, argmax, sum. Work is split over output rows; a reduction (argmax,
 // sum) reads only the input elements of its own output element, in a fixed order.
 #include <algorithm>
@@ -383,6 +383,19 @@ void cpu_softplus(const ComputeParams& p, Node& dst, const Node* const* src) {
 }
 
 // max(x, 0); NaN stays NaN (x > 0 is false for NaN, so it is written through as x).
+// GELU in its tanh form (Gemma's gelu_pytorch_tanh), computed in double so the rounding is the
+// same in every ISA.
+void cpu_gelu(const ComputeParams& p, Node& dst, const Node* const* src) {
+  unary_rows(p, dst, src[0], [](float x) {
+    const double v = x;
+    return (float)(0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))));
+  });
+}
+
+void cpu_tanh(const ComputeParams& p, Node& dst, const Node* const* src) {
+  unary_rows(p, dst, src[0], [](float x) { return std::tanh(x); });
+}
+
 void cpu_relu(const ComputeParams& p, Node& dst, const Node* const* src) {
   unary_rows(p, dst, src[0], [](float x) { return x < 0.0f ? 0.0f : x; });
 }

@@ -75,6 +75,8 @@ class Graph {
   int sigmoid(int a);
   int softplus(int a);
   int relu(int a);
+  int gelu(int a);
+  int tanh(int a);
   int l2_norm(int a, float eps);
   int concat(int a, int b, int axis);
   int sum(int a, int axis);
