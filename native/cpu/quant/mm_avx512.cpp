@@ -289,22 +289,36 @@ PF_AVX512 PF_INLINE void gat2(const QCtx& c, int64_t off, __m512i& t0, __m512i& 
   t1 = _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
 }
 
-// Lane r = row r's 4 bytes at byte offset `off` of the row-major rows: gathered from the rows,
-// or (PK) one load from the packed chunk c.pk (quant.h).
-template <DType WT, bool PK>
-PF_AVX512 PF_INLINE __m512i ldv(const QCtx& c, int64_t off) {
-  if constexpr (PK) return _mm512_loadu_si512(c.pk + packed_vec<WT>(off));
-  else return gat(c, off);
+// Offset in a packed block of the field that starts at byte FOFF of the row-major block.
+template <DType WT, int FOFF>
+constexpr int packed_at() {
+  constexpr PackFmt F = kPackFmt(WT);
+  for (int i = 0; i < F.n_fields; ++i)
+    if (F.f[i].off == FOFF) return F.f[i].at;
+  return -1;
 }
 
-// ldv at off and off + 4.
-template <DType WT, bool PK>
-PF_AVX512 PF_INLINE void ldv2(const QCtx& c, int64_t off, __m512i& t0, __m512i& t1) {
+// Lane r = row r's 4 bytes at byte FOFF + rel of (super-)block B of the row-major rows (FOFF:
+// where a field starts): gathered from the rows, or (PK) one load from the packed chunk c.pk.
+template <DType WT, bool PK, int FOFF>
+PF_AVX512 PF_INLINE __m512i ldf(const QCtx& c, int64_t B, int64_t rel) {
+  constexpr int bs = kPackFmt(WT).bs;
   if constexpr (PK) {
-    t0 = ldv<WT, true>(c, off);
-    t1 = ldv<WT, true>(c, off + 4);
+    static_assert(packed_at<WT, FOFF>() >= 0, "FOFF must start a field of the block");
+    return _mm512_loadu_si512(c.pk + B * 16 * bs + packed_at<WT, FOFF>() + 16 * rel);
   } else {
-    gat2(c, off, t0, t1);
+    return gat(c, B * bs + FOFF + rel);
+  }
+}
+
+// ldf at rel and rel + 4.
+template <DType WT, bool PK, int FOFF>
+PF_AVX512 PF_INLINE void ldf2(const QCtx& c, int64_t B, int64_t rel, __m512i& t0, __m512i& t1) {
+  if constexpr (PK) {
+    t0 = ldf<WT, true, FOFF>(c, B, rel);
+    t1 = ldf<WT, true, FOFF>(c, B, rel + 4);
+  } else {
+    gat2(c, B * kPackFmt(WT).bs + FOFF + rel, t0, t1);
   }
 }
 
@@ -333,14 +347,13 @@ PF_AVX512 PF_INLINE __m512 neg_ps(__m512 v) {
 // scale bytes and fp16 scales of all rows, unpacked with vector bit operations.
 template <DType WT, bool PK = false>
 PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t* slo, int32_t* shi) {
-  constexpr int SB = kSuperBytes<WT>;
   for (int64_t B = 0; B < c.nb / 8; ++B) {
     float* dwb = dw + B * 8 * 16;
     if constexpr (WT == DType::Q6_K) {
       // scales[14], scales[15], d: the fp16 d is the high half (stays inside the block)
       const __m512 d = ldh<WT, PK>(c, B, 208);
       for (int k = 0; k < 4; ++k) {
-        const __m512i g = ldv<WT, PK>(c, B * SB + 192 + 4 * k);  // scales[4k .. 4k+3]
+        const __m512i g = ldf<WT, PK, 192>(c, B, 4 * k);  // scales[4k .. 4k+3]
         for (int t = 0; t < 2; ++t) {
           const int j = 2 * k + t;
           _mm512_store_ps(dwb + j * 16, d);
@@ -351,9 +364,9 @@ PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t*
     } else {
       const __m512 d = ldh<WT, PK>(c, B, 0);
       const __m512 dmin = ldh<WT, PK>(c, B, 2);
-      const __m512i a = ldv<WT, PK>(c, B * SB + 4);   // scales[0..3]
-      const __m512i b = ldv<WT, PK>(c, B * SB + 8);   // scales[4..7]
-      const __m512i e = ldv<WT, PK>(c, B * SB + 12);  // scales[8..11]
+      const __m512i a = ldf<WT, PK, 4>(c, B, 0);  // scales[0..3]
+      const __m512i b = ldf<WT, PK, 4>(c, B, 4);  // scales[4..7]
+      const __m512i e = ldf<WT, PK, 4>(c, B, 8);  // scales[8..11]
       const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(0x30);
       float* mwb = mw + B * 8 * 16;
       for (int j = 0; j < 4; ++j) {
@@ -418,13 +431,13 @@ template <DType WT, bool PK = false>
 PF_AVX512 PF_INLINE void xt_decode(const QCtx& c, int64_t b0, __m512i* w, __m512& dw, __m512& mw) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   if constexpr (WT == DType::Q4_K || WT == DType::Q5_K) {
-    constexpr int SB = kSuperBytes<WT>;
-    const int64_t sb = (b0 >> 3) * SB;
+    constexpr int QS = WT == DType::Q4_K ? 16 : 48;  // qs
+    const int64_t B = b0 >> 3;
     const int j = (int)(b0 & 7);
-    const int64_t qo = sb + (WT == DType::Q4_K ? 16 : 48) + 32 * (j >> 1);
+    const int64_t qo = 32 * (j >> 1);
     for (int g = 0; g < 8; g += 2) {
       __m512i t[2];
-      ldv2<WT, PK>(c, qo + 4 * g, t[0], t[1]);
+      ldf2<WT, PK, QS>(c, B, qo + 4 * g, t[0], t[1]);
       for (int u = 0; u < 2; ++u) {
         w[g + u] = _mm512_and_si512(t[u], m4);
         w[8 + g + u] = _mm512_and_si512(_mm512_srli_epi16(t[u], 4), m4);
@@ -433,7 +446,7 @@ PF_AVX512 PF_INLINE void xt_decode(const QCtx& c, int64_t b0, __m512i* w, __m512
         // The super-block's qh (shared by its 8 blocks) is gathered with its first pair.
         __m512i h[2];
         if (j == 0) {
-          ldv2<WT, PK>(c, sb + 16 + 4 * g, h[0], h[1]);
+          ldf2<WT, PK, 16>(c, B, 4 * g, h[0], h[1]);
           _mm512_store_si512(c.qh + g, h[0]);
           _mm512_store_si512(c.qh + g + 1, h[1]);
         } else {
@@ -453,16 +466,16 @@ PF_AVX512 PF_INLINE void xt_decode(const QCtx& c, int64_t b0, __m512i* w, __m512
   } else if constexpr (WT == DType::Q6_K) {
     // Block jj (0..3) of half h: low 4 bits in ql[64 h + 32 (jj & 1) + i] >> 4 (jj >> 1), high 2
     // bits in qh[32 h + i] >> 2 jj (i = element in the block).
-    const int64_t sb = (b0 >> 3) * 210;
+    const int64_t B = b0 >> 3;
     const int j = (int)(b0 & 7), h = j >> 2, jj0 = j & 3;
     const int s1 = 4 * (jj0 >> 1);
     const __m512i m30 = _mm512_set1_epi8(0x30);
     for (int g = 0; g < 8; g += 2) {
       __m512i qh[2];
-      ldv2<WT, PK>(c, sb + 128 + 32 * h + 4 * g, qh[0], qh[1]);
+      ldf2<WT, PK, 128>(c, B, 32 * h + 4 * g, qh[0], qh[1]);
       for (int st = 0; st < 2; ++st) {
         __m512i ql[2];
-        ldv2<WT, PK>(c, sb + 64 * h + 32 * st + 4 * g, ql[0], ql[1]);
+        ldf2<WT, PK, 0>(c, B, 64 * h + 32 * st + 4 * g, ql[0], ql[1]);
         const int s2 = 2 * (jj0 + st);
         for (int u = 0; u < 2; ++u) {
           const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(ql[u], s1), m4);

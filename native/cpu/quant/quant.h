@@ -162,17 +162,6 @@ constexpr PackFmt kPackFmt(DType t) {
     default: return {};
   }
 }
-// Offset in a packed block of the 64-byte vector whose lane r holds row r's dword at byte o of
-// the row-major block (o inside a dword field, o - field.off a multiple of 4).
-template <DType T>
-constexpr int64_t packed_vec(int64_t o) {
-  constexpr PackFmt F = kPackFmt(T);
-  const int64_t B = o / F.bs, in = o - B * F.bs;
-  int64_t at = 0;
-  for (int i = 0; i < F.n_fields; ++i)
-    if (in >= F.f[i].off && in < F.f[i].off + F.f[i].bytes) at = F.f[i].at + 16 * (in - F.f[i].off);
-  return B * 16 * F.bs + at;
-}
 bool packable(DType t);
 // src row-major -> dst packed (distinct buffers of N * row_bytes).
 void pack_x16(DType t, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K);
