@@ -208,23 +208,6 @@ def f32_weight(b: GraphBuilder, name: str):
     return w if w.dtype == native.DType.F32 else b.g.cpy(w, native.DType.F32)
 
 
-def routed_experts(b: GraphBuilder, x, p: str, ids, w):
-    """SwiGLU experts ``{p}.ffn_{gate,up,down}_exps`` (or a merged ``ffn_gate_up_exps``, gate rows
-    first) for the chosen ids, weighted by w and summed. x: [T, d], ids / w: [T, k] -> [T, d]."""
-    g = b.g
-    T, k = ids.shape
-    if b.has(f"{p}.ffn_gate_up_exps.weight"):
-        gu = g.matmul_id(x, b.weight(f"{p}.ffn_gate_up_exps.weight"), ids)   # [T, k, 2F]
-        F = gu.shape[2] // 2
-        st = list(gu.strides)
-        gate, up = g.view(gu, [T, k, F], st), g.view(gu, [T, k, F], st, offset=F * 4)
-    else:
-        gate = g.matmul_id(x, b.weight(f"{p}.ffn_gate_exps.weight"), ids)    # [T, k, F]
-        up = g.matmul_id(x, b.weight(f"{p}.ffn_up_exps.weight"), ids)
-    down = g.matmul_id(g.swiglu(gate, up), b.weight(f"{p}.ffn_down_exps.weight"), ids)   # [T, k, d]
-    return g.sum(g.mul(down, g.reshape(w, [T, k, 1])), 1)
-
-
 def ffn(b: GraphBuilder, args, p: str, h):
     if args.is_moe:
         return b.moe_ffn(h, p, args.n_expert_used, args.norm_topk, args.weights_scale)

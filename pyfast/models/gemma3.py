@@ -127,20 +127,8 @@ def attention(b: GraphBuilder, args: Args, p: str, h, il: int, rope: Rope, mask=
                args.eps)
     v = g.reshape(b.linear(h, f"{p}.attn_v.weight"), [T, args.n_head_kv, hd])
     q, k = rope.apply(b, q), rope.apply(b, k)
-    o = kv_attention(b, il, q, k, v, args.attn_scale, mask)
+    o = b.kv_attention(il, q, k, v, args.attn_scale, mask=mask)
     return b.linear(o, f"{p}.attn_output.weight")
-
-
-def kv_attention(b: GraphBuilder, il: int, q, k, v, scale: float, mask=None):
-    """b.kv_attention with another mask in place of the causal one."""
-    if mask is None:
-        return b.kv_attention(il, q, k, v, scale)
-    saved = b.mask
-    b.mask = mask
-    try:
-        return b.kv_attention(il, q, k, v, scale)
-    finally:
-        b.mask = saved
 
 
 def geglu_ffn(b: GraphBuilder, p: str, h):

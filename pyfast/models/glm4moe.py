@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pyfast._loader import native
 from pyfast.models import decoder
 from pyfast.models.base import GraphBuilder, TensorSpec
+from pyfast.models.moe import routed_experts, select_experts
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
 
 ARCH = "glm4moe"
@@ -125,17 +126,11 @@ def tensors(args: Args) -> list[TensorSpec]:
 def moe(b: GraphBuilder, args: Args, p: str, h):
     """Sigmoid-routed experts with a selection bias, plus the shared experts. [T, d] -> [T, d]."""
     g = b.g
-    k = args.n_expert_used
     logits = b.linear(h, f"{p}.ffn_gate_inp.weight")                      # [T, E]
-    scores = g.sigmoid(logits)
-    ids = g.topk(g.add(scores, decoder.f32_weight(b, f"{p}.exp_probs_b.bias")), k)   # [T, k]
-    if args.norm_topk:  # s_i / sum_sel s_j = softmax(log sigmoid(l)) over the chosen
-        w = g.softmax(g.scale(g.softplus(g.scale(g.gather(logits, ids), -1.0)), -1.0))
-    else:
-        w = g.gather(scores, ids)
-    if args.weights_scale != 1.0:
-        w = g.scale(w, args.weights_scale)
-    out = decoder.routed_experts(b, h, p, ids, w)
+    ids, w = select_experts(b, logits, args.n_expert_used, gating="sigmoid",
+                            bias=decoder.f32_weight(b, f"{p}.exp_probs_b.bias"), norm=args.norm_topk,
+                            scale=args.weights_scale)
+    out = routed_experts(b, h, p, ids, w)
     if args.n_expert_shared:
         sh = g.swiglu(b.linear(h, f"{p}.ffn_gate_shexp.weight"), b.linear(h, f"{p}.ffn_up_shexp.weight"))
         out = g.add(out, b.linear(sh, f"{p}.ffn_down_shexp.weight"))
