@@ -171,3 +171,51 @@ def test_pre_tokenizer_detected_from_the_split_regex():
     assert detect_pre(tj(qwen2), "llama-bpe") == "qwen2"
     assert detect_pre(tj(PRE_TOKENIZER_REGEXES["qwen35"][0]), "qwen2") == "qwen35"
     assert detect_pre({}, "llama-bpe") == "llama-bpe"
+
+
+def _rewrite(src, out, md=None, drop=(), add=None):
+    """Copy a GGUF with metadata overrides (key -> (value, type)), tensors dropped or added (f32)."""
+    from pyfast.gguf import GGUFReader
+    from pyfast.gguf.writer import GGUFWriter
+
+    rd = GGUFReader(str(src))
+    w = GGUFWriter(out)
+    w.copy_metadata(rd)
+    for k, (v, t) in (md or {}).items():
+        w.add(k, v, t)
+    for n, info in rd.tensors.items():
+        if n not in drop:
+            w.add_tensor(n, info.type, tuple(info.shape), rd.tensor_bytes(n))
+    for n, a in (add or {}).items():
+        w.add_tensor(n, 0, a.shape, np.ascontiguousarray(a, dtype=np.float32))
+    w.write()
+    return out
+
+
+@pytest.mark.parametrize("name, md, add, match", [
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": ([True, False], "array[bool]")}, None,
+     "sliding_window_pattern.*4 entries"),
+    ("glm4moe", {"glm4moe.expert_gating_func": (1, "uint32")}, None, "expert_gating_func.*sigmoid"),
+    ("qwen3", {"qwen3.rope.scaling.type": ("longrope", "string")}, None, "rope.scaling.type.*'yarn'"),
+    ("qwen2", {"qwen2.rope.scaling.original_context_length": (0, "uint32")}, None, "original_context_length"),
+    ("llama3", None, {"rope_freqs.weight": np.ones(3)}, "rope_freqs.weight' has shape \\[3\\], expected \\[8\\]"),
+])
+def test_bad_metadata_is_named(converted, tmp_path, name, md, add, match):
+    path = _rewrite(converted[name][0], tmp_path / "bad.gguf", md=md, add=add,
+                    drop=("rope_freqs.weight",) if add else ())
+    with pytest.raises(ValueError, match=match):
+        Model(path)
+
+
+def test_cli_convert_bf16(tmp_path):
+    """pyfast convert from the command line, BF16 weights: the model loads and stays within bf16
+    rounding of the reference."""
+    from pyfast.cli import main
+
+    out = tmp_path / "qwen3-bf16.gguf"
+    assert main(["convert", str(FIX / "hf" / "qwen3"), str(out), "--outtype", "bf16", "-q"]) == 0
+    ref = dict(np.load(FIX / "qwen3.npz"))
+    model = Model(out)
+    assert model.weights.dtype("blk.0.attn_q.weight") == native.DType.BF16
+    assert model.weights.dtype("blk.0.attn_q_norm.weight") == native.DType.F32
+    assert rel_err(ctx_of(model).decode(ref["tokens_0"], logits="all"), ref["logits_0"]) < 3e-2
