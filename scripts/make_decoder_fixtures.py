@@ -49,16 +49,19 @@ if str(ROOT) not in sys.path:
 
 from scripts.make_hybrid_fixtures import QWEN2_SPLIT, VOCAB_SIZE, write_tokenizer  # noqa: E402
 
-NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3")
+NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gemma4")
 SEQ_LENS = (13, 9)
 N_PREFILL = 5
-BASE_SEED = {"llama3": 2501, "qwen2": 2502, "qwen3": 2503, "qwen3moe": 2504, "glm4moe": 2505, "gemma3": 2506}
+BASE_SEED = {"llama3": 2501, "qwen2": 2502, "qwen3": 2503, "qwen3moe": 2504, "glm4moe": 2505, "gemma3": 2506,
+             "gemma4": 2507}
 MOE = ("qwen3moe", "glm4moe")
 MIN_ROUTER_MARGIN = 1e-4
 
 
 def make_config(name: str, special: dict[str, int]):
-    from transformers import Gemma3TextConfig, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Gemma3TextConfig, Gemma4TextConfig, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+    )
 
     eos = special["<|endoftext|>"]
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -97,6 +100,16 @@ def make_config(name: str, special: dict[str, int]):
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention",
                                              "sliding_attention"], num_hidden_layers=4,
                                 final_logit_softcapping=5.0, attn_logit_softcapping=None)
+    if name == "gemma4":
+        return Gemma4TextConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                         "full_attention"],
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=2,
+            attention_k_eq_v=True, final_logit_softcapping=5.0, use_double_wide_mlp=True, max_position_embeddings=256,
+            tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=common["bos_token_id"],
+            eos_token_id=common["eos_token_id"], pad_token_id=0)
     raise ValueError(name)
 
 
@@ -105,9 +118,11 @@ def model_class(name: str):
         Gemma3ForCausalLM, Glm4MoeForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
         Qwen3MoeForCausalLM,
     )
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
     return {"llama3": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-            "qwen3moe": Qwen3MoeForCausalLM, "glm4moe": Glm4MoeForCausalLM, "gemma3": Gemma3ForCausalLM}[name]
+            "qwen3moe": Qwen3MoeForCausalLM, "glm4moe": Glm4MoeForCausalLM, "gemma3": Gemma3ForCausalLM,
+            "gemma4": Gemma4ForCausalLM}[name]
 
 
 def random_param(name: str, shape: tuple, rng: np.random.Generator, tied: bool,
@@ -121,6 +136,8 @@ def random_param(name: str, shape: tuple, rng: np.random.Generator, tied: bool,
         return rng.standard_normal(shape) * 0.3
     if last == "e_score_correction_bias":                      # the router's selection bias
         return rng.uniform(-0.3, 0.3, shape)
+    if last == "layer_scalar":                                 # Gemma 4's per-layer output scale
+        return rng.uniform(0.5, 1.5, shape)
     if "embed_tokens" in name:
         return rng.standard_normal(shape) * (0.3 if tied else 1.0)
     if name == "lm_head.weight" or name.endswith("mlp.gate.weight"):
@@ -274,7 +291,7 @@ def build_one(name: str, out_dir: Path, seed: int) -> dict:
     torch.manual_seed(seed)
     cls = model_class(name)
     model = cls(cfg)
-    randomize(model, rng, cfg.tie_word_embeddings, zero_centred=name.startswith("gemma"))
+    randomize(model, rng, cfg.tie_word_embeddings, zero_centred=name == "gemma3")
     mtp_ckpt = mtp_checkpoint(cfg, rng) if name == "glm4moe" else {}
     model.save_pretrained(str(hf_dir))
     if mtp_ckpt:

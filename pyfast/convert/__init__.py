@@ -37,7 +37,7 @@ OUTTYPES: dict[str, tuple] = {"f32": (0, 0), "f16": (1, 1), "bf16": (30, 32)}
 QUANTIZATION_VERSION = 2
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
                          "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe",
-                         "gemma3_text", "gemma3")
+                         "gemma3_text", "gemma3", "gemma4_text")
 
 
 @dataclass
@@ -78,9 +78,9 @@ def _read_config(hf_dir: str) -> dict:
 
 def _families() -> list:
     """The converter modules, each with ARCH_BY_MODEL_TYPE, ARCH_BY_HF_ARCH, hparams, plan, metadata."""
-    from pyfast.convert import decoder, deepseek, gemma, glm4moe, qwen35
+    from pyfast.convert import decoder, deepseek, gemma, gemma4, glm4moe, qwen35
 
-    return [qwen35, decoder, glm4moe, gemma, deepseek]
+    return [qwen35, decoder, glm4moe, gemma, gemma4, deepseek]
 
 
 def _arch_of(cfg: dict, path: str) -> tuple[str, object]:

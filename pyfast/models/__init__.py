@@ -10,11 +10,11 @@ import os
 from types import ModuleType
 
 from pyfast.gguf import GGUFReader
-from pyfast.models import gemma3, glm4moe, llama, qwen2, qwen3, qwen3moe, qwen3next, qwen35, qwen35moe
+from pyfast.models import gemma3, gemma4, glm4moe, llama, qwen2, qwen3, qwen3moe, qwen3next, qwen35, qwen35moe
 from pyfast.models.base import BatchShape, GraphBuilder, MemorySpec, Weights
 
 ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen2, qwen3, qwen3moe, qwen35, qwen35moe, qwen3next,
-                                                             glm4moe, gemma3)}
+                                                             glm4moe, gemma3, gemma4)}
 
 # MLA + MoE family (DeepSeek-V3; the DSA variants add the lightning indexer)
 from pyfast.models import deepseek2, deepseek32, glm_dsa  # noqa: E402
@@ -148,6 +148,10 @@ class Model:
         return bool(getattr(self.arch, "EXPORTS_HIDDEN", False))
 
     def kv_geometry(self) -> tuple[int, int, int]:
+        """(KV layers, kv heads, head dim) of the model's KV cache."""
+        if hasattr(self.arch, "memory"):
+            s = self.arch.memory(self.args)
+            return len(s.attn_layers), s.n_head_kv, s.head_dim
         a = self.args
         return a.n_layer, a.n_head_kv, a.head_dim
 

@@ -14,9 +14,9 @@ from pyfast.context import Context
 from pyfast.models import Model
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "decoder"
-NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3")
+NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gemma4")
 ARCH = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "glm4moe": "glm4moe",
-        "gemma3": "gemma3"}
+        "gemma3": "gemma3", "gemma4": "gemma4"}
 TOL = 1e-3
 
 
@@ -219,3 +219,30 @@ def test_cli_convert_bf16(tmp_path):
     assert model.weights.dtype("blk.0.attn_q.weight") == native.DType.BF16
     assert model.weights.dtype("blk.0.attn_q_norm.weight") == native.DType.F32
     assert rel_err(ctx_of(model).decode(ref["tokens_0"], logits="all"), ref["logits_0"]) < 3e-2
+
+
+def test_gemma4_features_are_read(converted):
+    """gemma4: per-type head sizes and kv heads (the cache takes the widest: 2 heads of 32), shared
+    KV layers (3 and 4 attend over 2 and 1), k = v on the global layers, double-wide FFN on the
+    shared layers, per-layer embeddings, proportional rope (4 of 16 pairs rotate) and the soft-cap;
+    dropping each changes the logits."""
+    from dataclasses import replace
+
+    path, ref = converted["gemma4"]
+    model = Model(path)
+    a = model.args
+    assert a.swa_layers == (True, False, True, True, False) and a.kv_source == (0, 1, 2, 2, 1)
+    assert a.n_head_kv == (2, 1, 2, 2, 1) and (a.head_dim, a.head_dim_swa) == (32, 16)
+    assert a.n_ff == (96, 96, 96, 192, 192) and a.n_embd_per_layer == 8
+    spec = model.memory_spec()
+    assert spec.attn_layers == (0, 1, 2) and (spec.n_head_kv, spec.head_dim) == (2, 32)
+    assert "blk.1.attn_v.weight" not in model.weights and "blk.0.attn_v.weight" in model.weights
+    ff = model.weights.f32("rope_freqs.weight")
+    assert (ff[:4] == 1).all() and (ff[4:] > 1e29).all()
+    toks = ref["tokens_0"]
+    assert rel_err(ctx_of(model).decode(toks, logits="all"), ref["logits_0"]) < TOL
+    for change in (dict(n_embd_per_layer=0), dict(final_softcap=0.0), dict(swa_window=64),
+                   dict(rope=replace(a.rope, freq_factors=None))):
+        model.args = replace(a, **change)
+        assert rel_err(ctx_of(model).decode(toks, logits="all"), ref["logits_0"]) > 1e-2, change
+    model.args = a
