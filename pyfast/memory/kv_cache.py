@@ -7,8 +7,8 @@ builds the per-batch inputs: the write indices, the attention mask and the cell 
 Layout: per layer, head-major ``[n_head_kv, n_ctx, head_dim]``. Attention walks one KV head's
 cells at a time, so each head's rows are contiguous: a 1-row SmolLM2 decode's attention ran
 1.26x faster this way than with the cell-major ``[n_ctx, n_head_kv, head_dim]`` (2-core VM,
-300 cells; docs/performance.md, session 10). A token's K row is written as n_head_kv rows, one
-per head (``head_rows``).
+300 cells; docs/experiments.md, "Attention at 1 row waits on the K/V reads"). A token's K row
+is written as n_head_kv rows, one per head (``head_rows``).
 
 The cell order (cells sorted by position) makes attention reduce over a sequence's positions in
 the same order wherever its cells happen to sit, which is what keeps decoding batch invariant
