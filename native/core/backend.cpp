@@ -12,6 +12,9 @@ namespace pyfast {
 #ifdef PYFAST_HAVE_VULKAN
 void register_vulkan_backend();  // vulkan/vk_backend.cpp
 #endif
+#ifdef PYFAST_HAVE_CUDA
+void register_cuda_backend();  // cuda/cuda_backend.cpp
+#endif
 
 namespace {
 
@@ -31,6 +34,15 @@ void ensure_registered() {
                         throw std::runtime_error("this pyfast was built without the Vulkan backend");
                       },
                       "not compiled in (build with the Vulkan headers, loader and glslc present)"});
+#endif
+#ifdef PYFAST_HAVE_CUDA
+    register_cuda_backend();
+#else
+    register_backend({"cuda", [] { return std::vector<DeviceInfo>{}; },
+                      [](int) -> std::shared_ptr<Backend> {
+                        throw std::runtime_error("this pyfast was built without the CUDA backend");
+                      },
+                      "not compiled in (build with nvcc present, PYFAST_CUDA=AUTO or ON)"});
 #endif
   });
 }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device_plan.h"
 #include "pyfast/backend.h"
 
 namespace pyfast {
@@ -21,18 +22,8 @@ inline void check(VkResult r, const char* what) {
   if (r != VK_SUCCESS) fail(r, what);
 }
 
-// Kernel parameters, one block per dispatch (std140 layout of `Params` in shaders/common.glsl).
-// Tensor 0 is the output, tensor 1 + i the node's source i. Dims and byte strides are stored
-// innermost first and padded with 1 / 0.
-struct Params {
-  int32_t ne[9][4];
-  int32_t nb[9][4];
-  uint32_t ofs[12];  // byte offset of each tensor inside its bound range
-  int32_t ip[8];
-  float fp[8];
-};
-static_assert(sizeof(Params) == 400, "Params must match the std140 block in common.glsl");
-constexpr int kMaxBindings = 9;
+// Kernel parameters, one block per dispatch (core/device_plan.h; std140 `Params` in common.glsl).
+using Params = KernelParams;
 
 class Context;
 
@@ -95,17 +86,7 @@ class Context : public std::enable_shared_from_this<Context> {
   std::map<std::string, VkShaderModule> modules_;
 };
 
-// Op support and kernel launch description (vk_ops.cpp). A node runs as one or more dispatches;
-// each binds tensors by slot: kOut (the node's output), a source index, or kScratch (a region of
-// op_scratch_bytes(node) bytes the plan reserves for the node alone).
-constexpr int kOut = -1, kScratch = -2;
-struct Dispatch {
-  std::string shader;
-  std::vector<int32_t> spec;
-  Params params{};
-  uint32_t groups = 1;     // linear workgroup count (split over x / y by the plan)
-  std::vector<int> bind;   // binding b -> tensor slot (empty: the output, then every source)
-};
+// Op support and kernel launch description (vk_ops.cpp; Dispatch in core/device_plan.h).
 bool op_supported(const Context& ctx, const Node& node, const Node* const* src);
 size_t op_scratch_bytes(const Context& ctx, const Node& node, const Node* const* src);
 std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& node, const Node* const* src);

@@ -103,11 +103,11 @@ std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& nd, const Node
     const int64_t K = src[0]->shape.dims[src[0]->shape.ndim - 1];
     const int64_t M = src[0]->shape.numel() / K, N = src[1]->shape.dims[0];
     Dispatch q;
-    q.shader = "quantize_q8";
+    q.kernel = "quantize_q8";
     q.bind = {kScratch, 0};
     q.groups = groups_of(M * (K / 32), 64);
     Dispatch m;
-    m.shader = ctx.int_dot ? "matmul_q8_dot" : "matmul_q8";
+    m.kernel = ctx.int_dot ? "matmul_q8_dot" : "matmul_q8";
     m.spec = {(int32_t)src[1]->dtype};
     m.bind = {kOut, 0, 1, kScratch};
     m.groups = (uint32_t)(groups_of(N, 64) * groups_of(M, 4));
@@ -121,34 +121,34 @@ std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& nd, const Node
   auto rows_of = [](const Node& n) { return n.shape.numel() / n.shape.dims[n.shape.ndim - 1]; };
   switch (nd.op) {
     case Op::scale: case Op::silu: case Op::sigmoid: case Op::softplus:
-      d.shader = "unary";
+      d.kernel = "unary";
       d.spec = {nd.op == Op::scale ? 0 : nd.op == Op::silu ? 1 : nd.op == Op::sigmoid ? 2 : 3};
       d.params.fp[0] = nd.params.f[0];
       d.groups = groups_of(numel, 256);
       break;
     case Op::add: case Op::mul: case Op::swiglu:
-      d.shader = "binary";
+      d.kernel = "binary";
       d.spec = {nd.op == Op::add ? 0 : nd.op == Op::mul ? 1 : 2};
       d.groups = groups_of(numel, 256);
       break;
     case Op::rms_norm: case Op::l2_norm:
-      d.shader = "norm";
+      d.kernel = "norm";
       d.spec = {nd.op == Op::rms_norm ? 0 : 1};
       d.params.fp[0] = nd.params.f[0];
       d.groups = (uint32_t)rows_of(nd);
       break;
     case Op::softmax:
-      d.shader = "softmax";
+      d.kernel = "softmax";
       d.params.ip[0] = nd.n_src > 1 ? 1 : 0;
       d.params.fp[0] = nd.params.f[0];
       d.groups = (uint32_t)rows_of(nd);
       break;
     case Op::argmax:
-      d.shader = "argmax";
+      d.kernel = "argmax";
       d.groups = (uint32_t)rows_of(*src[0]);
       break;
     case Op::rope: {
-      d.shader = "rope";
+      d.kernel = "rope";
       const int64_t T = nd.shape.dims[0], H = nd.shape.dims[1], D = nd.shape.dims[2];
       const int n_dims = nd.params.i[0];
       d.params.ip[0] = n_dims;
@@ -159,13 +159,13 @@ std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& nd, const Node
       break;
     }
     case Op::get_rows:
-      d.shader = "get_rows";
+      d.kernel = "get_rows";
       d.spec = {(int32_t)src[0]->dtype};
       d.params.ip[0] = src[0]->shape.ndim;
       d.groups = groups_of(numel, 256);
       break;
     case Op::matmul: {
-      d.shader = "matmul";
+      d.kernel = "matmul";
       d.spec = {(int32_t)src[1]->dtype};
       const int64_t K = src[0]->shape.dims[src[0]->shape.ndim - 1];
       const int64_t M = src[0]->shape.numel() / K, N = src[1]->shape.dims[0];
@@ -173,12 +173,12 @@ std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& nd, const Node
       break;
     }
     case Op::cpy:
-      d.shader = "cpy";
+      d.kernel = "cpy";
       d.spec = {(int32_t)src[0]->dtype, (int32_t)nd.dtype};
       d.groups = groups_of(nd.dtype == DType::F32 ? numel : (numel + 1) / 2, 256);
       break;
     case Op::set_rows: {
-      d.shader = "set_rows";
+      d.kernel = "set_rows";
       d.spec = {(int32_t)nd.dtype};
       d.params.ip[0] = nd.shape.ndim;
       d.params.ip[1] = src[1]->shape.ndim;
@@ -189,37 +189,37 @@ std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& nd, const Node
       break;
     }
     case Op::attention:
-      d.shader = "attention";
+      d.kernel = "attention";
       d.spec = {(int32_t)src[1]->dtype, (int32_t)src[2]->dtype};
       d.params.ip[0] = nd.n_src > 4 ? 1 : 0;
       d.params.fp[0] = nd.params.f[0];
       d.groups = (uint32_t)(nd.shape.dims[0] * nd.shape.dims[1]);
       break;
     case Op::concat:
-      d.shader = "concat";
+      d.kernel = "concat";
       d.params.ip[0] = nd.params.i[0];
       d.params.ip[1] = nd.shape.ndim - 1 - nd.params.i[0];
       d.groups = groups_of(numel, 256);
       break;
     case Op::sum:
-      d.shader = "sum";
+      d.kernel = "sum";
       d.params.ip[0] = nd.params.i[0];
       d.params.ip[1] = src[0]->shape.ndim - 1 - nd.params.i[0];
       d.groups = groups_of(numel, 256);
       break;
     case Op::gather:
-      d.shader = "gather";
+      d.kernel = "gather";
       d.groups = groups_of(numel, 256);
       break;
     case Op::topk: {
-      d.shader = "topk";
+      d.kernel = "topk";
       d.params.ip[0] = nd.params.i[0];
       const int64_t E = src[0]->shape.dims[src[0]->shape.ndim - 1];
       d.groups = (uint32_t)(rows_of(*src[0]) * groups_of(E, 256));
       break;
     }
     case Op::matmul_id: {
-      d.shader = "matmul_id";
+      d.kernel = "matmul_id";
       d.spec = {(int32_t)src[1]->dtype};
       d.params.ip[0] = src[0]->shape.ndim;
       const int64_t N = nd.shape.dims[2], TK = nd.shape.dims[0] * nd.shape.dims[1];
@@ -227,13 +227,13 @@ std::vector<Dispatch> op_dispatch(const Context& ctx, const Node& nd, const Node
       break;
     }
     case Op::ssm_conv: {
-      d.shader = "ssm_conv";
+      d.kernel = "ssm_conv";
       const int64_t T = src[0]->shape.dims[0], C = src[0]->shape.dims[1], n_seg = src[3]->shape.dims[0];
       d.groups = (uint32_t)(n_seg * groups_of(C, 64) + groups_of(T * C, 64));
       break;
     }
     case Op::gated_delta_net: {
-      d.shader = "gated_delta_net";
+      d.kernel = "gated_delta_net";
       const int64_t T = src[2]->shape.dims[0], Hv = src[2]->shape.dims[1], S = src[2]->shape.dims[2];
       const int64_t n_seg = src[6]->shape.dims[0];
       d.params.ip[0] = nd.params.i[0];  // broadcast

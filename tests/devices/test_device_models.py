@@ -4,6 +4,8 @@ speculation, SmolLM2 perplexity against the CPU, and device errors. Lavapipe run
 CPU, so the texts and fixtures are kept small."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,8 @@ from pyfast._loader import native
 from tests.models import test_hybrid_common as hc
 
 DEVICES = [d["name"] for d in native.devices() if d["kind"] != "cpu"]
+if os.environ.get("PYFAST_TEST_DEVICES") is not None:  # comma-separated names (scripts/gpu_check.sh)
+    DEVICES = [n for n in DEVICES if n in os.environ["PYFAST_TEST_DEVICES"].split(",")]
 WHY = "; ".join(f"{b['kind']}: {b['unavailable'] or 'no device found'}" for b in native.backends())
 
 
@@ -171,6 +175,18 @@ def test_missing_device_is_a_clear_error(smollm2_path):
         pyfast.LLM(smollm2_path, device="tpu:0")
     with pytest.raises(ValueError, match="KIND:INDEX"):
         pyfast.LLM(smollm2_path, device="vulkan:x")
+
+
+def test_cuda_without_device_is_a_clear_error(smollm2_path):
+    """With no CUDA device (not compiled in, or no driver / GPU on this machine) devices() lists
+    none and cuda:0 is a ValueError that says why, never a crash."""
+    if any(d["kind"] == "cuda" for d in native.devices()):
+        pytest.skip("this machine has a CUDA device")
+    why = next(b["unavailable"] for b in native.backends() if b["kind"] == "cuda")
+    assert why
+    with pytest.raises(ValueError, match=r"device 'cuda:0' does not exist: .+"):
+        pyfast.LLM(smollm2_path, device="cuda:0")
+    assert not [d for d in pyfast.devices() if d["kind"] == "cuda"]
 
 
 @dev_param

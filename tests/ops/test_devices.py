@@ -27,7 +27,12 @@ SKIPPED: dict[str, int] = {}
 
 
 def device_names() -> list[str]:
-    return [d["name"] for d in N.devices() if d["kind"] != "cpu"]
+    """Every non-CPU device, or those named in PYFAST_TEST_DEVICES (comma-separated)."""
+    import os
+
+    names = [d["name"] for d in N.devices() if d["kind"] != "cpu"]
+    only = os.environ.get("PYFAST_TEST_DEVICES")
+    return [n for n in names if n in only.split(",")] if only is not None else names
 
 
 _opened: dict[str, object] = {}
@@ -79,9 +84,12 @@ QUANT_MATMUL = [c for c in CASES if c.op == "matmul" and N.dtype_block_size(c.ar
 @pytest.mark.parametrize("dev", device_names() or ["none"])
 def test_quantized_matmul_uses_int8_products(dev):
     """A quantized-weight matmul runs as activation quantization + an integer-product kernel, with
-    the device's packed dot product instruction when it has one."""
+    the device's packed dot product instruction when it has one (CUDA: __dp4a)."""
     d = open_dev(dev)
-    want = "matmul_q8_dot" if d.info["integer_dot"] else "matmul_q8"
+    if d.info["kind"] == "cuda":
+        want = "matmul_q8_dp4a"
+    else:
+        want = "matmul_q8_dot" if d.info["integer_dot"] else "matmul_q8"
     for case in QUANT_MATMUL[:6]:
         from .harness import build_case, make_leaf, seed_of
         import numpy as np
@@ -94,11 +102,16 @@ def test_quantized_matmul_uses_int8_products(dev):
         assert "[quantize_q8]" in steps and f"[{want}]" in steps, steps
 
 
+MATMUL_VARIANTS = {"vulkan": ["PYFAST_VULKAN_INT_DOT=0", "PYFAST_VULKAN_Q8=0"], "cuda": ["PYFAST_CUDA_Q8=0"]}
+KINDS = sorted({n.split(":")[0] for n in device_names()})
+
+
 @pytest.mark.skipif(not PARAMS, reason="no non-CPU device")
-@pytest.mark.parametrize("env", ["PYFAST_VULKAN_INT_DOT=0", "PYFAST_VULKAN_Q8=0"])
+@pytest.mark.parametrize("env", [e for k in KINDS for e in MATMUL_VARIANTS.get(k, [])] or ["none"])
 def test_matmul_variants(env):
-    """The other matmul kernels (unpacked integer products; weights decoded to float) pass every
-    matmul case too (run in a subprocess: the switches are read when the device opens)."""
+    """The other matmul kernels (Vulkan: unpacked integer products, weights decoded to float;
+    CUDA: weights decoded to float) pass every matmul case too (run in a subprocess: the switches
+    are read when the device opens or the first plan compiles)."""
     import os
     import subprocess
     import sys
