@@ -52,7 +52,8 @@ def llama_startup(bin_dir: str, model: str, threads: int) -> tuple[float, float]
     if not os.path.exists(exe):
         return float("nan"), float("nan")
     cmd = ["/usr/bin/time", "-f", "maxrss_kb=%M", exe, "-m", model, "-n", "64", PROMPT]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    # errors="replace": a random-weight model prints arbitrary bytes
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
     err = p.stderr
     rss = float(re.search(r"maxrss_kb=(\d+)", err).group(1)) / 1024
     load = float(re.search(r"load time =\s+([\d.]+) ms", err).group(1))

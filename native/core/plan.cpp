@@ -130,15 +130,20 @@ struct Sched {
   uint64_t* wofs = nullptr;       // [n_exec] offset of the node's scratch in the work area
   uint8_t* shareable = nullptr;   // [n_exec]
   std::atomic<uint8_t>* claimed = nullptr;  // [nth][stride]: share s of node k started (per run)
+  size_t rstride = 0;                       // words per node in `ranges` (nth, padded to a cache line)
+  std::atomic<uint64_t>* ranges = nullptr;  // [n_exec][rstride]: per-run work ranges (ComputeParams)
 };
+
+size_t range_stride(int nth) { return ((size_t)nth + 7) & ~(size_t)7; }
 
 size_t claim_stride(size_t n_exec) { return (n_exec + 63) & ~(size_t)63; }
 
 size_t sched_bytes(size_t n_exec, int nth) {
-  return align_up(n_exec * 4) + align_up(n_exec * 8) + align_up(n_exec) + claim_stride(n_exec) * (size_t)nth;
+  return align_up(n_exec * 4) + align_up(n_exec * 8) + align_up(n_exec) + align_up(claim_stride(n_exec) * (size_t)nth) +
+         n_exec * range_stride(nth) * 8;
 }
 
-Sched sched_at(uint8_t* base, size_t n_exec) {
+Sched sched_at(uint8_t* base, size_t n_exec, int nth) {
   Sched sc;
   sc.n_exec = n_exec;
   sc.stride = claim_stride(n_exec);
@@ -151,6 +156,10 @@ Sched sched_at(uint8_t* base, size_t n_exec) {
   off += align_up(n_exec);
   static_assert(sizeof(std::atomic<uint8_t>) == 1, "claim flags");
   sc.claimed = reinterpret_cast<std::atomic<uint8_t>*>(base + off);
+  off += align_up(claim_stride(n_exec) * (size_t)nth);
+  static_assert(sizeof(std::atomic<uint64_t>) == 8, "work ranges");
+  sc.rstride = range_stride(nth);
+  sc.ranges = reinterpret_cast<std::atomic<uint64_t>*>(base + off);
   return sc;
 }
 
@@ -336,7 +345,7 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::
   stats_.work_bytes = work;
   work_ = alloc_aligned(align_up(work) + sched_bytes(n_exec, nth));
   owned_.push_back(work_);
-  const Sched sc = sched_at(work_ + align_up(work), n_exec);
+  const Sched sc = sched_at(work_ + align_up(work), n_exec, nth);
   std::copy(group_end.begin(), group_end.end(), sc.group_end);
   std::copy(wofs.begin(), wofs.end(), sc.wofs);
   std::copy(shareable.begin(), shareable.end(), sc.shareable);
@@ -398,9 +407,11 @@ void Plan::run() {
   const CpuIsa isa = cpu_isa();
   const int nth = pool_ ? pool_->size() : 1;
   const size_t n_exec = exec_.size();
-  const Sched sc = sched_at(work_ + align_up(work_size_), n_exec);
-  if (nth > 1)
+  const Sched sc = sched_at(work_ + align_up(work_size_), n_exec, nth);
+  if (nth > 1) {
     for (size_t i = 0; i < sc.stride * (size_t)nth; ++i) sc.claimed[i].store(0, std::memory_order_relaxed);
+    for (size_t i = 0; i < n_exec * sc.rstride; ++i) sc.ranges[i].store(0, std::memory_order_relaxed);
+  }
   std::atomic<size_t> fail_at{SIZE_MAX};
   std::exception_ptr err;
   std::mutex err_mu;
@@ -421,6 +432,7 @@ void Plan::run() {
       p.ith = s;
       p.wdata = work_ + sc.wofs[k];
       p.wsize = work_size_ - sc.wofs[k];
+      p.ranges = nth > 1 ? sc.ranges + k * sc.rstride : nullptr;
       const uint64_t t0 = g_profile.on ? OpProfile::now() : 0;
       try {
         if (!multi_[k].empty()) {  // fused matmuls (see the constructor)

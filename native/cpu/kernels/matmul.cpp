@@ -6,7 +6,9 @@
 // to 16 weight rows x 64 activation rows; each thread takes a contiguous range of items
 // (weight-chunk major, so a thread reuses its weight rows from cache across row chunks). With at
 // most kPrivateRows rows each thread quantizes all of them into its own area instead, and there
-// is no barrier (cpu_matmul_syncs tells the plan which case a node is).
+// is no barrier (cpu_matmul_syncs tells the plan which case a node is); a thread done with its
+// range then takes the remaining items of the others from their far end (WorkRanges, cpu.h), so
+// that decode steps do not wait for the thread whose share of the memory bandwidth was smallest.
 // Float weights read x in place (no barrier). Each output element is computed by exactly one
 // kernel call with a fixed per-pair reduction order (see cpu/quant/quant.h), so results do not
 // depend on M, the thread count or the tiling.
@@ -134,9 +136,6 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
   const int64_t n_mc = (R + mm::kChunkM - 1) / mm::kChunkM;
   int64_t n_nc = 0;
   for (int i = 0; i < nw; ++i) n_nc += (ws[i]->shape.dims[0] + cn - 1) / cn;
-  int64_t it0, it1;
-  split_range(n_nc * n_mc, p.ith, p.nth, it0, it1);
-
   const QLayout L = qlayout(R, K, p.nth);
   uint8_t* base = (uint8_t*)(((uintptr_t)p.wdata + kAlign - 1) & ~(uintptr_t)(kAlign - 1));
   uint8_t* act = base + L.act_per_thread * (size_t)p.ith;
@@ -168,37 +167,44 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
   mm::QJob j;
   j.a = a;
   j.scratch = reinterpret_cast<float*>(base + L.scratch + L.scratch_per_thread * (size_t)p.ith);
-  int wi = 0;
-  int64_t wc0 = 0;  // first global chunk of weight wi
-  for (int64_t it = it0; it < it1; ++it) {
-    const int64_t gc = it / n_mc, mc = it % n_mc;
-    while (gc >= wc0 + (ws[wi]->shape.dims[0] + cn - 1) / cn) wc0 += (ws[wi++]->shape.dims[0] + cn - 1) / cn;
-    const Node& w = *ws[wi];
-    const int64_t N = w.shape.dims[0];
-    j.wt = w.dtype;
-    j.w = w.data;
-    j.w_stride = w.shape.strides[0];
-    j.packed = w.packed;
-    j.y = row_view(*dsts[wi]);
-    j.n0 = (gc - wc0) * cn;
-    j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
-    j.m0 = mc * mm::kChunkM;
-    j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
-    if (j.packed && isa != CpuIsa::avx512) {
-      // Only the avx512 kernels read the packed layout: the chunk's rows back to row-major first
-      // (a per-thread copy), then this ISA's kernel as usual.
-      thread_local std::vector<uint8_t> rows;
-      rows.resize((size_t)(cn * j.w_stride));
-      unpack_x16(w.dtype, j.w + j.n0 * j.w_stride, K, 0, (int)(j.n1 - j.n0), rows.data());
-      mm::QJob u = j;
-      u.packed = false;
-      // row n of u at rows + (n - n0) * stride (only rows n0 .. n1-1 are read)
-      u.w = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(rows.data()) -
-                                             (uintptr_t)(j.n0 * j.w_stride));
-      gemm(u);
-      continue;
+  // Items in steps of about 1/16 of a share: with a barrier-free kernel (few rows) a share that
+  // finishes early takes the rest of a slower one (WorkRanges); otherwise the static split.
+  const int64_t n_items = n_nc * n_mc;
+  WorkRanges wr(p.ith, p.nth, L.act_per_thread ? p.ranges : nullptr, n_items, n_items / ((int64_t)p.nth * 16) + 1);
+  int64_t it0, it1;
+  while (wr.next(it0, it1)) {
+    int wi = 0;
+    int64_t wc0 = 0;  // first global chunk of weight wi
+    for (int64_t it = it0; it < it1; ++it) {
+      const int64_t gc = it / n_mc, mc = it % n_mc;
+      while (gc >= wc0 + (ws[wi]->shape.dims[0] + cn - 1) / cn) wc0 += (ws[wi++]->shape.dims[0] + cn - 1) / cn;
+      const Node& w = *ws[wi];
+      const int64_t N = w.shape.dims[0];
+      j.wt = w.dtype;
+      j.w = w.data;
+      j.w_stride = w.shape.strides[0];
+      j.packed = w.packed;
+      j.y = row_view(*dsts[wi]);
+      j.n0 = (gc - wc0) * cn;
+      j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
+      j.m0 = mc * mm::kChunkM;
+      j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
+      if (j.packed && isa != CpuIsa::avx512) {
+        // Only the avx512 kernels read the packed layout: the chunk's rows back to row-major first
+        // (a per-thread copy), then this ISA's kernel as usual.
+        thread_local std::vector<uint8_t> rows;
+        rows.resize((size_t)(cn * j.w_stride));
+        unpack_x16(w.dtype, j.w + j.n0 * j.w_stride, K, 0, (int)(j.n1 - j.n0), rows.data());
+        mm::QJob u = j;
+        u.packed = false;
+        // row n of u at rows + (n - n0) * stride (only rows n0 .. n1-1 are read)
+        u.w = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(rows.data()) -
+                                               (uintptr_t)(j.n0 * j.w_stride));
+        gemm(u);
+        continue;
+      }
+      gemm(j);
     }
-    gemm(j);
   }
 }
 

@@ -1,5 +1,6 @@
 // CPU backend: the kernel interface, ISA selection and helpers shared by kernels.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -31,7 +32,32 @@ struct ComputeParams {
   ThreadPool* pool = nullptr;
   CpuIsa isa = CpuIsa::scalar;
   uint64_t run_id = 0;  // != 0: this plan run's number, unique in the process (per-run caches key on it)
+  // [nth] words zeroed before each run, private to this node (null when a kernel must split its
+  // work statically): see WorkRanges.
+  std::atomic<uint64_t>* ranges = nullptr;
   void barrier() const { if (pool && nth > 1) pool->barrier(); }
+};
+
+// Work items [0, n) of one node, split into nth contiguous ranges (split_range); a thread takes
+// items from the front of its own range in steps, then from the back of the others', so a thread
+// that streams its weights faster (or started earlier) takes over the rest of a slower one
+// instead of waiting for it. Each item is taken exactly once; which thread computes an item does
+// not change its value. Without p.ranges (one thread, or a caller that does not provide them)
+// share ith is exactly its static range.
+class WorkRanges {
+ public:
+  // ranges: ComputeParams::ranges of the node, or null for the static split.
+  WorkRanges(int ith, int nth, std::atomic<uint64_t>* ranges, int64_t n, int64_t step);
+  // The next items [b, e) for this share; false when none are left anywhere.
+  bool next(int64_t& b, int64_t& e);
+
+ private:
+  uint64_t get(int t) const;
+  int ith_, nth_;
+  std::atomic<uint64_t>* ranges_;
+  int64_t n_, step_;
+  int victim_ = -1;  // -1: own range; then the others in order
+  bool static_done_ = false;
 };
 
 // Kernel entry points (one per non-view op), named cpu_<op>.
