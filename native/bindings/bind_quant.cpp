@@ -92,13 +92,22 @@ void bind_quant(py::module_& m) {
         uint8_t* p = static_cast<uint8_t*>(bi.ptr);
         {
           py::gil_scoped_release nogil;
-          // chunk by chunk: a chunk's packed bytes take its own rows' place (no tensor-sized copy)
+          // chunk by chunk: a chunk's packed bytes take its own rows' place (no tensor-sized copy);
+          // a large weight's chunks are spread over the cores (model loading packs gigabytes)
           const size_t cb = n / (size_t)(nrows / 16);
-          std::vector<uint8_t> rows(cb);
-          for (size_t o = 0; o < n; o += cb) {
-            std::memcpy(rows.data(), p + o, cb);
-            pack_x16(t, rows.data(), p + o, 16, ncols);
-          }
+          const int64_t n_chunks = nrows / 16;
+          auto pack_range = [&](int64_t c0, int64_t c1) {
+            std::vector<uint8_t> rows(cb);
+            for (int64_t c = c0; c < c1; ++c) {
+              std::memcpy(rows.data(), p + c * cb, cb);
+              pack_x16(t, rows.data(), p + c * cb, 16, ncols);
+            }
+          };
+          const int nth = n >= (size_t(8) << 20) ? (int)std::max(1u, std::min(8u, std::thread::hardware_concurrency())) : 1;
+          std::vector<std::thread> th;
+          for (int i = 1; i < nth; ++i) th.emplace_back(pack_range, n_chunks * i / nth, n_chunks * (i + 1) / nth);
+          pack_range(0, n_chunks / nth);
+          for (auto& x : th) x.join();
         }
       },
       py::arg("dtype"), py::arg("raw"), py::arg("n_rows"), py::arg("n_cols"),

@@ -9,6 +9,16 @@ namespace pyfast {
 
 bool packable(DType t) { return kPackFmt(t).bs != 0; }
 
+namespace {
+
+// One unit (2 or 4 bytes) with a fixed-size copy (a variable-size memcpy per unit is a call).
+inline void copy_unit(uint8_t* d, const uint8_t* s, int unit) {
+  if (unit == 4) std::memcpy(d, s, 4);
+  else std::memcpy(d, s, 2);
+}
+
+}  // namespace
+
 void pack_x16(DType t, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
   const PackFmt F = kPackFmt(t);
   const int64_t nb = K / dtype_block_size(t), rb = nb * F.bs;
@@ -20,7 +30,7 @@ void pack_x16(DType t, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
         for (int i = 0; i < F.n_fields; ++i) {
           const PackField& f = F.f[i];
           for (int u = 0; u < f.bytes / f.unit; ++u)
-            std::memcpy(out + f.at + (u * 16 + r) * f.unit, in + f.off + u * f.unit, f.unit);
+            copy_unit(out + f.at + (u * 16 + r) * f.unit, in + f.off + u * f.unit, f.unit);
         }
       }
     }
@@ -38,7 +48,7 @@ void unpack_x16(DType t, const uint8_t* chunk, int64_t K, int r0, int nr, uint8_
       for (int k = 0; k < F.n_fields; ++k) {
         const PackField& f = F.f[k];
         for (int u = 0; u < f.bytes / f.unit; ++u)
-          std::memcpy(o + f.off + u * f.unit, in + f.at + (u * 16 + r) * f.unit, f.unit);
+          copy_unit(o + f.off + u * f.unit, in + f.at + (u * 16 + r) * f.unit, f.unit);
       }
     }
   }
