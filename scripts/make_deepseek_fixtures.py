@@ -35,6 +35,9 @@ model with every indexer's top-k above the sequence length, and ``decode_logits_
 cached decode (transformers' cached path with a top-k below the length may select differently
 from its full path, so sparse decode is compared with the full path's logits).
 
+``deepseek_v3.npz`` also holds ``yarn_logits_s``: the same checkpoint with ``rope_parameters`` =
+``YARN`` (below), full forward.
+
 Usage: ``python scripts/make_deepseek_fixtures.py [--out DIR] [--only NAME ...]``.
 """
 from __future__ import annotations
@@ -59,6 +62,10 @@ SEQ_LENS = (13, 9)
 N_PREFILL = 5
 BASE_SEED = {"deepseek_v3": 4101, "deepseek_v32": 4102, "glm_moe_dsa": 4103}
 INDEX_TOPK = 4  # < the sequence lengths: the indexer's selection matters
+# deepseek_v3's second reference: YaRN as DeepSeek-V3 configures it, with an original context
+# shorter than the sequences
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
 MIN_ROUTER_MARGIN = 1e-4
 
 
@@ -380,6 +387,15 @@ def build_one(name: str, out_dir: Path, seed: int) -> dict:
     ref = references(name, model, mtp, tokens)
     tap.close()
     itap.close()
+    if name == "deepseek_v3":  # the same weights under YaRN rope scaling (DeepSeek-V3's own config style)
+        ycfg = cls.config_class.from_pretrained(str(hf_dir))
+        ycfg.rope_parameters = dict(YARN)
+        ymodel = cls.from_pretrained(str(hf_dir), config=ycfg, attn_implementation="eager",
+                                     experts_implementation="eager").double().eval()
+        with torch.no_grad():
+            for s, toks in enumerate(tokens):
+                ids = torch.tensor(toks, dtype=torch.long)[None]
+                ref[f"yarn_logits_{s}"] = ymodel(input_ids=ids).logits[0].numpy().astype(np.float32)
     ref["router_margin"] = np.asarray(tap.margin, dtype=np.float64)
     ref["index_margin"] = np.asarray(itap.margin, dtype=np.float64)
     res = convert(hf_dir, out_dir / f"{name}.gguf", mtp=True, outtype="f32")  # a check; not committed

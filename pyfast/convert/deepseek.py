@@ -28,6 +28,7 @@ Conventions of the written file (what ``pyfast/models/deepseek2.py`` reads):
 """
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -184,6 +185,10 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
         got = tuple(st.shape(name))
         if got != tuple(shape):
             raise ValueError(f"{st.dir}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+        dtype = st.refs[name].dtype
+        if dtype not in ("F32", "F16", "BF16", "F64"):
+            raise ValueError(f"{st.dir}: tensor {name!r} has dtype {dtype}; only F32, F16, BF16 and F64 checkpoints "
+                             "are supported (dequantize FP8 checkpoints to BF16 first)")
         used.add(name)
         return lambda: np.asarray(st.load(name), dtype=np.float32)
 
@@ -352,11 +357,30 @@ def metadata(hp: HParams, n_mtp: int) -> list[tuple[str, Any, str]]:
     rp = hp.rope_params
     rtype = rp.get("rope_type", rp.get("type"))
     if rtype == "yarn":
+        factor = float(rp.get("factor") or 1.0)
+        n_orig = rp.get("original_max_position_embeddings")
+        if not n_orig:
+            raise ValueError("config.json: yarn rope_parameters need original_max_position_embeddings")
         m.append((f"{a}.rope.scaling.type", "yarn", "string"))
-        f32("rope.scaling.factor", rp.get("factor", 1.0))
-        if rp.get("original_max_position_embeddings"):
-            u32("rope.scaling.original_context_length", rp["original_max_position_embeddings"])
-        f32("rope.scaling.yarn_log_multiplier", 0.1 * float(rp.get("mscale_all_dim", 0.0)))
+        f32("rope.scaling.factor", factor)
+        u32("rope.scaling.original_context_length", n_orig)
+        # scores scaled by mscale(mscale_all_dim)^2 (transformers' yarn_apply_mscale); cos / sin by
+        # transformers' attention_factor
+        mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
+        f32("rope.scaling.yarn_log_multiplier", 0.1 * float(mscale_all or 0.0))
+
+        def get_mscale(s, ms=1.0):
+            return 1.0 if s <= 1 else 0.1 * ms * math.log(s) + 1.0
+
+        af = rp.get("attention_factor")
+        if af is None:
+            af = get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all \
+                else get_mscale(factor)
+        if af != 1.0:
+            f32("rope.scaling.attn_factor", af)
+        for k_hf, k_gguf in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if rp.get(k_hf):
+                f32(f"rope.scaling.{k_gguf}", rp[k_hf])
     elif rtype not in (None, "default"):
         warnings.warn(f"rope type {rtype!r} is not converted; writing plain RoPE", stacklevel=3)
     if n_mtp:

@@ -14,7 +14,10 @@ p = rope.dimension_count, nope width n = key_length_mla - p, value width v = val
   ``[q_abs | q_pe]`` attends over the cache rows as one multi-query head group, the output
   ``o[h]`` (width r) goes through ``W_vb[h]`` (``attn_v_b`` [H, v, r]) and ``attn_output``. This
   equals expanding ``k_nope = W_kb c``, ``v = W_vb c`` per head (transformers' form) up to rounding.
-* scale ``1/sqrt(n + p)`` (times YaRN's mscale², unsupported here: see ``Args``).
+* scale ``1/sqrt(n + p)``; with YaRN rope scaling (``rope.scaling.type`` = yarn, DeepSeek-V3's
+  released checkpoints) the scores are scaled by ``mscale²`` more, ``mscale = 1 +
+  rope.scaling.yarn_log_multiplier · ln(factor)``, and cos / sin by ``rope.scaling.attn_factor``
+  (default 1) alone, as transformers and llama.cpp do for this architecture.
 
 Files whose layers hold ``attn_kv_b`` ([H (n + v), r], older conversions) instead of
 ``attn_k_b`` / ``attn_v_b`` are split once at load into the same two f32 tensors.
@@ -29,6 +32,7 @@ selection bias; ``expert_group_count`` / ``expert_group_used_count`` the grouped
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -37,6 +41,7 @@ import numpy as np
 from pyfast._loader import native
 from pyfast.models import moe
 from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
+from pyfast.models.rope import Rope, read_rope
 
 ARCH = "deepseek2"
 EXPORTS_HIDDEN = True   # build() outputs "hidden" when the builder asks (MTP drafting)
@@ -69,8 +74,7 @@ class Args:
     weights_scale: float
     n_group: int
     n_group_used: int
-    rope_base: float
-    rope_scale: float
+    rope: Rope              # the MLA rope (adjacent pairs over the rope dims; YaRN when the file says so)
     eps: float
     n_ctx_train: int
     tied: bool
@@ -156,16 +160,14 @@ class Args:
             n_expert, n_dense = 0, n_all
             kw = dict(n_expert_used=0, n_group=1, n_group_used=1, gating="softmax", n_ff_exp=0,
                       n_expert_shared=0, weights_norm=False, weights_scale=1.0)
-        scaling = m.str(key("rope.scaling.type"), "none")
-        factor = m.float(key("rope.scaling.factor"), 1.0, positive=True)
-        rope_scale, mscale = 1.0, 1.0
-        if scaling == "linear":
-            rope_scale = 1.0 / factor
-        elif scaling == "yarn" and factor > 1.0:
-            raise ValueError(f"{path}: GGUF metadata '{key('rope.scaling.type')}' = 'yarn' with factor {factor}: "
-                             "YaRN rope scaling is not supported by this version of pyfast")
-        elif scaling not in ("none", "yarn"):
-            raise m.fail(key("rope.scaling.type"), scaling, "'none', 'linear' or 'yarn'")
+        rope = read_rope(m, arch, weights, qk_rope, ROPE_NORMAL)
+        mscale = 1.0
+        if rope.ext_factor:
+            # YaRN the DeepSeek way: cos / sin keep only rope.scaling.attn_factor (the op would scale
+            # them by 1 + 0.1 ln(factor) more), the scores get mscale^2
+            ln_f = math.log(1.0 / rope.freq_scale)
+            rope = dataclasses.replace(rope, attn_factor=rope.attn_factor / (1.0 + 0.1 * ln_f))
+            mscale = 1.0 + m.float(key("rope.scaling.yarn_log_multiplier"), 0.0, lo=0.0, hi=100.0) * ln_f
         first = f"blk.{n_layer - 1}" if n_layer else "blk.0"
         kv_b = f"{first}.attn_kv_b.weight" in weights and f"{first}.attn_k_b.weight" not in weights
         first_moe = f"blk.{n_dense}" if n_dense < n_layer else first
@@ -175,7 +177,7 @@ class Args:
             arch=arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_nextn=n_nextn, n_head=n_head,
             q_lora=q_lora, kv_lora=kv_lora, qk_nope=qk_head - qk_rope, qk_rope=qk_rope, v_head_dim=v_head,
             n_ff=m.int(key("feed_forward_length"), 0, lo=0, hi=M.MAX_FF), n_dense_lead=n_dense, n_expert=n_expert,
-            rope_base=m.float(key("rope.freq_base"), 10000.0, positive=True), rope_scale=rope_scale,
+            rope=rope,
             eps=m.float(key("attention.layer_norm_rms_epsilon"), 1e-6, positive=True),
             n_ctx_train=m.int(key("context_length"), 4096, lo=1, hi=M.MAX_CTX),
             tied="output.weight" not in weights, kq_scale=mscale * mscale / math.sqrt(qk_head),
@@ -292,12 +294,11 @@ def mla_inputs(b: GraphBuilder, args: Args, p: str, h):
     q = g.reshape(q, [T, H, n + rp])
     st = list(q.strides)
     q_nope = g.view(q, [T, H, n], st)
-    q_pe = g.rope(g.view(q, [T, H, rp], st, offset=n * 4), b.pos, rp, ROPE_NORMAL, args.rope_base, args.rope_scale)
+    q_pe = args.rope.apply(b, g.view(q, [T, H, rp], st, offset=n * 4))
     ckv = b.linear(h, f"{p}.attn_kv_a_mqa.weight")                          # [T, r + p]
     row = (r + rp) * 4
     c = norm(b, g.view(ckv, [T, r], [row, 4]), f"{p}.attn_kv_a_norm.weight", args.eps)  # [T, r]
-    k_pe = g.rope(g.view(ckv, [T, 1, rp], [row, row, 4], offset=r * 4), b.pos, rp, ROPE_NORMAL,
-                  args.rope_base, args.rope_scale)                           # [T, 1, p]
+    k_pe = args.rope.apply(b, g.view(ckv, [T, 1, rp], [row, row, 4], offset=r * 4))  # [T, 1, p]
     k_b, _ = kv_b_parts(b, args, p)
     q_abs = g.matmul_id(q_nope, k_b, head_ids(b, T, H))                      # [T, H, r]
     q = g.concat(q_abs, q_pe, -1)                                            # [T, H, r + p]

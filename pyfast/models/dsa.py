@@ -22,6 +22,7 @@ save / restore and rollback exactly as the KV rows do. The MTP block attends den
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -110,8 +111,13 @@ def indexer_k(b: GraphBuilder, args, p: str, h):
     T, D = h.shape[0], x["idx_dim"]
     k = layer_norm(b, b.linear(h, f"{p}.indexer.attn_k.weight"), f"{p}.indexer.k_norm.weight",
                    f"{p}.indexer.k_norm.bias")
-    k = g.rope(g.reshape(k, [T, 1, D]), b.pos, args.qk_rope, x["idx_rope_mode"], args.rope_base, args.rope_scale)
+    k = index_rope(args).apply(b, g.reshape(k, [T, 1, D]))
     return rotate(b, k, D)
+
+
+def index_rope(args):
+    """The indexer's rope: the model's frequencies (and YaRN) with the indexer's pairing."""
+    return dataclasses.replace(args.rope, mode=args.extra["idx_rope_mode"])
 
 
 def rotate(b: GraphBuilder, t, D: int):
@@ -131,7 +137,7 @@ def sparse_mask(b: GraphBuilder, args, p: str, h, qr, k_vis, il: int = 0):
     T, n_kv = b.shape.n_tokens, b.shape.n_kv
     Hi, D = x["idx_heads"], x["idx_dim"]
     q = g.reshape(b.linear(qr, f"{p}.indexer.attn_q_b.weight"), [T, Hi, D])
-    q = rotate(b, g.rope(q, b.pos, args.qk_rope, x["idx_rope_mode"], args.rope_base, args.rope_scale), D)
+    q = rotate(b, index_rope(args).apply(b, q), D)
     # the cells' indexer keys: the cache rows' last D columns, as f32 [n_kv, D]
     dt = b.kv.dtype
     off = native.dtype_row_size(dt, args.kv_lora + args.qk_rope)

@@ -217,6 +217,37 @@ def test_convert_without_mtp_and_metadata(fx, tmp_path):
     assert not any(".nextn." in t for t in GGUFReader(str(tmp_path / "nomtp.gguf")).tensors)
 
 
+def test_yarn_rope_matches_reference(fx, tmp_path):
+    """DeepSeek-V3's YaRN (factor 4 over an original context of 8, mscale = mscale_all_dim = 1):
+    the converter writes llama.cpp's yarn keys, the model matches transformers' full forward."""
+    import json
+    import shutil
+
+    from pyfast.convert import convert
+    from pyfast.gguf import GGUFReader
+    from pyfast.models import Model
+
+    name, _, ref = fx
+    if "yarn_logits_0" not in ref:
+        pytest.skip("no YaRN reference for this fixture")
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "hf" / name, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "beta_fast": 32.0, "beta_slow": 1.0}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    convert(hf, tmp_path / "yarn.gguf")
+    md = GGUFReader(str(tmp_path / "yarn.gguf")).metadata
+    assert md["deepseek2.rope.scaling.type"] == "yarn" and md["deepseek2.rope.scaling.original_context_length"] == 8
+    assert md["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)
+    m = Model(tmp_path / "yarn.gguf")
+    for s in (0, 1):
+        got = make_ctx(m).decode(ref[f"tokens_{s}"], logits="all")
+        assert rel_err(got, ref[f"yarn_logits_{s}"]) < TOL
+    assert rel_err(got, ref["logits_1"]) > 1e-2  # YaRN changes the result here
+
+
 def test_attn_kv_b_files_are_split_at_load(fx, tmp_path):
     """A file with attn_kv_b (older llama.cpp conversions) instead of attn_k_b / attn_v_b gives the
     same logits."""
