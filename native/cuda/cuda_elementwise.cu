@@ -7,7 +7,8 @@ namespace cu {
 
 namespace {
 
-// Elementwise f32 -> f32: 0 scale (fp[0]), 1 silu, 2 sigmoid, 3 softplus. Source may be strided.
+// Elementwise f32 -> f32: 0 scale (fp[0]), 1 silu, 2 sigmoid, 3 softplus, 4 relu. Source may be
+// strided.
 __global__ void k_unary(const LaunchArgs a, int op) {
   const uint32_t i = gid() * 256u + threadIdx.x;
   if (i >= nelem(a, 0)) return;
@@ -17,7 +18,8 @@ __global__ void k_unary(const LaunchArgs a, int op) {
   if (op == 0) y = x * a.P.fp[0];
   else if (op == 1) y = x / (1.0f + expf(-x));
   else if (op == 2) y = 1.0f / (1.0f + expf(-x));
-  else y = x > 20.0f ? x : logf(1.0f + expf(x));
+  else if (op == 3) y = x > 20.0f ? x : logf(1.0f + expf(x));
+  else y = x > 0.0f ? x : 0.0f;
   wrf32(a, 0, 4u * i, y);
 }
 
@@ -145,8 +147,12 @@ __global__ void k_argmax(const LaunchArgs a) {
   if (tid == 0u) reinterpret_cast<int32_t*>(a.B[0])[row] = ri[0] < 0 ? 0 : ri[0];
 }
 
-// Rotary embedding of x[T, H, D] by pos[T]: ip[0] n_dims, ip[1] mode (0 normal: pairs (2i, 2i+1),
-// 2 neox: (i, i + n_dims/2)); fp[0] freq_base, fp[1] freq_scale. Dims past n_dims pass through.
+// Rotary embedding of x[T, H, D] by pos[T] (cpu/kernels/rope.cpp): ip[0] n_dims, ip[1] mode (0
+// normal: pairs (2i, 2i+1), 2 neox: (i, i + n_dims/2)), ip[2] = 1: freq_factors[n_dims/2] (tensor
+// 3) divide the frequencies; fp[0] freq_base, fp[1] freq_scale, fp[2] ext_factor (YaRN: mix the
+// unscaled angle back in along a ramp over pairs [fp[4], fp[5]] and scale cos / sin by
+// 1 + 0.1 ln(1 / freq_scale)), fp[3] attn_factor. Angles in double, as the CPU's. Dims past n_dims
+// pass through. One thread per (token, head, pair or pass-through element).
 __global__ void k_rope(const LaunchArgs a) {
   const uint32_t D = ne(a, 1, 0), H = ne(a, 1, 1), T = ne(a, 1, 2);
   const uint32_t n_dims = (uint32_t)a.P.ip[0];
@@ -162,9 +168,19 @@ __global__ void k_rope(const LaunchArgs a) {
     wrf32(a, 0, out + 4u * d, rdf32(a, 1, xin + d * nb(a, 1, 0)));
     return;
   }
-  const float p = (float)(int)rd32(a, 2, t * nb(a, 2, 0));
-  const float theta = p * a.P.fp[1] * powf(a.P.fp[0], -2.0f * (float)k / (float)n_dims);
-  const float cs = cosf(theta), sn = sinf(theta);
+  const double p = (double)(int)rd32(a, 2, t * nb(a, 2, 0));
+  const double fscale = a.P.fp[1], ext = a.P.fp[2];
+  double inv = pow((double)a.P.fp[0], -2.0 * (double)k / (double)n_dims);
+  if (a.P.ip[2]) inv /= (double)rdf32(a, 3, k * nb(a, 3, 0));
+  double theta = p * fscale * inv, mscale = a.P.fp[3];
+  if (ext != 0.0) {
+    const double lo = a.P.fp[4], hi = a.P.fp[5];
+    const double y = ((double)k - lo) / fmax(0.001, hi - lo);
+    const double mix = (1.0 - fmin(1.0, fmax(0.0, y))) * ext;
+    theta = theta * (1.0 - mix) + p * inv * mix;
+    mscale *= 1.0 + 0.1 * log(1.0 / fscale);
+  }
+  const float cs = (float)(cos(theta) * mscale), sn = (float)(sin(theta) * mscale);
   uint32_t i0, i1;
   if (a.P.ip[1] == 2) { i0 = k; i1 = k + half_; }
   else { i0 = 2u * k; i1 = 2u * k + 1u; }

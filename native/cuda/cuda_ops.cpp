@@ -59,7 +59,7 @@ LaunchFn find_kernel(const std::string& name) {
 
 size_t op_scratch_bytes(const Node& nd, const Node* const* src) {
   if (q8_path(nd, src)) return (size_t)(src[0]->shape.numel() / 32) * 40;  // per block: d, d * sum(q), 32 x int8
-  if (nd.op == Op::topk) {
+  if (nd.op == Op::topk || nd.op == Op::topk_mask) {
     const int64_t E = src[0]->shape.dims[src[0]->shape.ndim - 1];
     if (E > kTopkBitonicMax) return topk_radix_scratch((int)rows_of(*src[0]), (int)E);
   }
@@ -78,11 +78,11 @@ bool op_supported(const Node& nd, const Node* const* src) {
   for (int s = 0; s < nd.n_src; ++s)
     if (!fits(*src[s]) || src[s]->packed) return false;
   switch (nd.op) {
-    case Op::add: case Op::mul: case Op::scale: case Op::silu: case Op::sigmoid: case Op::softplus:
+    case Op::add: case Op::mul: case Op::scale: case Op::silu: case Op::sigmoid: case Op::softplus: case Op::relu:
     case Op::rms_norm: case Op::l2_norm: case Op::softmax: case Op::argmax:
       return true;
-    case Op::rope:  // plain rope (no frequency factors, no YaRN ramp)
-      return nd.n_src == 2 && nd.params.f[2] == 0.0f && (nd.params.f[3] == 0.0f || nd.params.f[3] == 1.0f);
+    case Op::rope:  // with frequency factors and YaRN too
+      return true;
     case Op::swiglu:
       for (int d = 0; d < 4; ++d)
         if (src[0]->shape.dims[d] != src[1]->shape.dims[d]) return false;
@@ -95,7 +95,7 @@ bool op_supported(const Node& nd, const Node* const* src) {
       return is_float(nd.dtype) && decodable(src[0]->dtype);
     case Op::set_rows:
       return nd.dtype == DType::F32 || nd.dtype == DType::F16 || nd.dtype == DType::BF16 || nd.dtype == DType::Q8_0;
-    case Op::concat: case Op::sum: case Op::gather: case Op::topk:
+    case Op::concat: case Op::sum: case Op::gather: case Op::topk: case Op::topk_mask:
       return true;
     case Op::ssm_conv:
       return src[1]->shape.dims[1] <= 16;  // kernel taps (the kernel's window array)
@@ -131,9 +131,9 @@ std::vector<Dispatch> op_dispatch(const Node& nd, const Node* const* src) {
   std::memset(&d.params, 0, sizeof(d.params));
   const int64_t numel = nd.shape.numel();
   switch (nd.op) {
-    case Op::scale: case Op::silu: case Op::sigmoid: case Op::softplus:
+    case Op::scale: case Op::silu: case Op::sigmoid: case Op::softplus: case Op::relu:
       d.kernel = "unary";
-      d.spec = {nd.op == Op::scale ? 0 : nd.op == Op::silu ? 1 : nd.op == Op::sigmoid ? 2 : 3};
+      d.spec = {nd.op == Op::scale ? 0 : nd.op == Op::silu ? 1 : nd.op == Op::sigmoid ? 2 : nd.op == Op::softplus ? 3 : 4};
       d.params.fp[0] = nd.params.f[0];
       d.groups = groups_of(numel, 256);
       break;
@@ -164,8 +164,8 @@ std::vector<Dispatch> op_dispatch(const Node& nd, const Node* const* src) {
       const int n_dims = nd.params.i[0];
       d.params.ip[0] = n_dims;
       d.params.ip[1] = nd.params.i[1];
-      d.params.fp[0] = nd.params.f[0];
-      d.params.fp[1] = nd.params.f[1];
+      d.params.ip[2] = nd.n_src > 2 ? 1 : 0;  // freq_factors
+      for (int f = 0; f < 6; ++f) d.params.fp[f] = nd.params.f[f];
       d.groups = groups_of(T * H * (n_dims / 2 + (D - n_dims)), 256);
       break;
     }
@@ -221,8 +221,9 @@ std::vector<Dispatch> op_dispatch(const Node& nd, const Node* const* src) {
       d.kernel = "gather";
       d.groups = groups_of(numel, 256);
       break;
-    case Op::topk: {
+    case Op::topk: case Op::topk_mask: {  // one selection; topk_mask writes it as a 0 / -inf mask
       d.params.ip[0] = nd.params.i[0];
+      d.params.ip[1] = nd.op == Op::topk_mask ? 1 : 0;
       const int64_t E = src[0]->shape.dims[src[0]->shape.ndim - 1], R = rows_of(*src[0]);
       if (E <= kTopkBitonicMax) {
         int32_t n2 = 1;

@@ -1,5 +1,6 @@
 // topk: indices of the k (ip[0]) largest values of each row, largest first, ties to the lower
-// index, NaN below every number (NaNs among themselves by index).
+// index, NaN below every number (NaNs among themselves by index). topk_mask (ip[1] = 1): the same
+// selection as an additive f32 mask of the row's shape, 0 at the picks and -inf elsewhere.
 //
 // Each value becomes a 32-bit key whose unsigned order is the ranking (NaN -> 0, below -inf), so
 // both paths sort (key descending, index ascending):
@@ -60,6 +61,13 @@ __global__ void k_topk_bitonic(const LaunchArgs a, uint32_t n2) {
       }
       __syncthreads();
     }
+  if (a.P.ip[1]) {  // topk_mask
+    float* out = reinterpret_cast<float*>(a.B[0]) + row * E;
+    for (uint32_t i = threadIdx.x; i < E; i += blockDim.x) out[i] = -INFINITY;
+    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < k; i += blockDim.x) out[idx[i]] = 0.0f;
+    return;
+  }
   int32_t* out = reinterpret_cast<int32_t*>(a.B[0]) + row * k;
   for (uint32_t i = threadIdx.x; i < k; i += blockDim.x) out[i] = (int32_t)idx[i];
 }
@@ -96,7 +104,14 @@ __global__ void k_topk_pick(const LaunchArgs a, const uint32_t* vals, uint32_t R
   const uint32_t E = ne(a, 1, 0), k = (uint32_t)a.P.ip[0];
   const uint32_t i = blockIdx.x * 256u + threadIdx.x;
   if (i >= R * k) return;
-  reinterpret_cast<int32_t*>(a.B[0])[i] = (int32_t)vals[(i / k) * E + i % k];
+  const uint32_t row = i / k, v = vals[row * E + i % k];
+  if (a.P.ip[1]) reinterpret_cast<float*>(a.B[0])[row * E + v] = 0.0f;  // topk_mask
+  else reinterpret_cast<int32_t*>(a.B[0])[i] = (int32_t)v;
+}
+
+__global__ void k_fill_ninf(float* out, uint32_t n) {
+  const uint32_t i = blockIdx.x * 256u + threadIdx.x;
+  if (i < n) out[i] = -INFINITY;
 }
 
 size_t radix_temp_bytes(int R, int E) {
@@ -132,6 +147,7 @@ void launch_topk_radix(const LaunchArgs& a, uint32_t, const int32_t* spec, cudaS
   k_topk_prep<<<(std::max<uint32_t>(n, R + 1) + 255) / 256, 256, 0, s>>>(a, keys_in, vals_in, offsets, R);
   cub::DeviceSegmentedRadixSort::SortPairsDescending(base + l.temp, temp, keys_in, keys_out, vals_in, vals_out, (int)n, R,
                                                      offsets, offsets + 1, 0, 32, s);
+  if (a.P.ip[1]) k_fill_ninf<<<(n + 255) / 256, 256, 0, s>>>(reinterpret_cast<float*>(a.B[0]), n);
   const uint32_t nk = (uint32_t)R * (uint32_t)a.P.ip[0];
   k_topk_pick<<<(nk + 255) / 256, 256, 0, s>>>(a, vals_out, R);
 }
