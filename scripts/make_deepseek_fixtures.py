@@ -343,7 +343,6 @@ def references(name: str, model, mtp, tokens_list) -> dict[str, np.ndarray]:
 
 def build_one(name: str, out_dir: Path, seed: int) -> dict:
     import torch
-    from safetensors.numpy import load_file
     from safetensors.torch import load_file as load_torch
     from safetensors.torch import save_file
 

@@ -11,7 +11,9 @@ file with llama.cpp's tensor names and metadata, so llama.cpp loads it too. Supp
 ``qwen3_5_moe`` / ``qwen3_5_moe_text`` (``qwen35moe``) and ``qwen3_next`` (``qwen3next``), see
 :mod:`pyfast.convert.qwen35`; ``llama`` / ``mistral`` (``llama``), ``qwen2``, ``qwen3`` and
 ``qwen3_moe`` (``qwen3moe``), see :mod:`pyfast.convert.decoder`; ``glm4_moe`` (``glm4moe``, MTP
-layers as ``nextn`` blocks), see :mod:`pyfast.convert.glm4moe`. ``tokenizer.json`` (when present)
+layers as ``nextn`` blocks), see :mod:`pyfast.convert.glm4moe`; ``deepseek_v3`` (``deepseek2``),
+``deepseek_v32`` (``deepseek32``) and ``glm_moe_dsa`` (``glm-dsa``), MTP layers as ``nextn`` blocks,
+see :mod:`pyfast.convert.deepseek`. ``tokenizer.json`` (when present)
 becomes the ``tokenizer.*`` metadata; without it the file has no tokenizer and a warning says so.
 
 Output types: ``f32``, ``f16``, ``bf16``. Like llama.cpp's converter, 1-D tensors, norms, the MoE
@@ -37,7 +39,7 @@ OUTTYPES: dict[str, tuple] = {"f32": (0, 0), "f16": (1, 1), "bf16": (30, 32)}
 QUANTIZATION_VERSION = 2
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
                          "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe",
-                         "gemma3_text", "gemma3", "gemma4_text")
+                         "gemma3_text", "gemma3", "gemma4_text", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 
 
 @dataclass

@@ -110,7 +110,8 @@ def hparams(arch: str, cfg: dict) -> HParams:
     hp = HParams(
         arch=arch, cfg=cfg, n_embd=_int(cfg, "hidden_size"), n_layer=n_layer, n_vocab=_int(cfg, "vocab_size"),
         n_head=_int(cfg, "num_attention_heads"), q_lora=int(q_lora), kv_lora=_int(cfg, "kv_lora_rank"),
-        qk_nope=_int(cfg, "qk_nope_head_dim"), qk_rope=_int(cfg, "qk_rope_head_dim"), v_head_dim=_int(cfg, "v_head_dim"),
+        qk_nope=_int(cfg, "qk_nope_head_dim"), qk_rope=_int(cfg, "qk_rope_head_dim"),
+        v_head_dim=_int(cfg, "v_head_dim"),
         n_ff=_int(cfg, "intermediate_size"), n_dense=n_dense, n_expert=_int(cfg, "n_routed_experts"),
         n_expert_used=_int(cfg, "num_experts_per_tok"), n_ff_exp=_int(cfg, "moe_intermediate_size"),
         n_shared=_int(cfg, "n_shared_experts", 0, lo=0), n_group=_int(cfg, "n_group", 1),
