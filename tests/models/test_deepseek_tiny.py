@@ -401,3 +401,61 @@ def test_draft_mtp_is_lossless(fx):
     outs = llm.generate_batch(prompts, max_tokens=12, temperature=0, ignore_eos=True)
     for p, o in zip(prompts, outs):
         assert o.tokens == llm.generate(p, max_tokens=12, temperature=0, ignore_eos=True, speculative=False).tokens
+
+
+def test_dsa_layer0_index_scores_match_numpy(fx):
+    """T6.1: layer 0's index scores against a numpy float64 evaluation of algorithms.md §6.1-6.2 from
+    the file's weights (embedding -> attn_norm -> q latent; indexer q / k, LayerNorm with bias, RoPE
+    on the first rope dims with the model's pairing, ReLU, per-head weights); with the Hadamard
+    rotation on they differ only by rounding (T6.6)."""
+    from pyfast.models import Model
+
+    _, path, ref = dsa_fx(fx)
+    toks = ref["tokens_0"]
+    T = toks.size
+    got = {}
+    for had in (False, True):
+        m = Model(path)
+        m.set_dsa(hadamard=had)
+        m.args.extra["debug_outputs"] = True
+        ctx = make_ctx(m)
+        ctx.decode(toks, logits="none")
+        cells = np.argsort(ctx.kv.cell_pos[:T])  # cell of each position (a fresh cache: 0..T-1)
+        got[had] = ctx._last_plan.output("dsa_score.0")[:, cells]
+    a, w = m.args, m.weights
+    x = a.extra
+    f = {n: w.f32(n).astype(np.float64) for n in w.info if n.startswith(("blk.0.", "token_embd"))}
+
+    def rms(v, g, eps):
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * g
+
+    def rope(v, mode):  # v [T, H, D]: rotate the first rope dims at positions 0..T-1
+        r = a.qk_rope
+        inv = a.rope.base ** (-np.arange(0, r, 2) / r)
+        ang = np.arange(T)[:, None, None] * inv[None, None, :]
+        c, s = np.cos(ang), np.sin(ang)
+        v = v.copy()
+        if mode == 0:
+            e, o = v[..., 0:r:2].copy(), v[..., 1:r:2].copy()
+            v[..., 0:r:2], v[..., 1:r:2] = e * c - o * s, o * c + e * s
+        else:
+            lo, hi = v[..., :r // 2].copy(), v[..., r // 2:r].copy()
+            v[..., :r // 2], v[..., r // 2:r] = lo * c - hi * s, hi * c + lo * s
+        return v
+
+    h = rms(f["token_embd.weight"][toks], f["blk.0.attn_norm.weight"], a.eps)
+    qr = rms(h @ f["blk.0.attn_q_a.weight"].T, f["blk.0.attn_q_a_norm.weight"], a.eps)
+    Hi, D = x["idx_heads"], x["idx_dim"]
+    q = rope((qr @ f["blk.0.indexer.attn_q_b.weight"].T).reshape(T, Hi, D), x["idx_rope_mode"])
+    k = h @ f["blk.0.indexer.attn_k.weight"].T
+    k = k - k.mean(-1, keepdims=True)
+    k = k / np.sqrt((k * k).mean(-1, keepdims=True) + 1e-6) * f["blk.0.indexer.k_norm.weight"] \
+        + f["blk.0.indexer.k_norm.bias"]
+    k = rope(k.reshape(T, 1, D), x["idx_rope_mode"])[:, 0]
+    wt = (h @ f["blk.0.indexer.proj.weight"].T) / np.sqrt(D * Hi)
+    want = np.einsum("th,ths->ts", wt, np.maximum(np.einsum("thd,sd->ths", q, k), 0.0))
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    scale = np.abs(want[causal]).max()
+    for had in (False, True):
+        assert np.isneginf(got[had][~causal]).all()
+        assert np.abs(got[had][causal] - want[causal]).max() < 1e-5 * scale, had
