@@ -22,6 +22,8 @@
 # copy the built _native*.so and this machine's libvulkan.so.1 into one folder that travels with
 # the tree, and run with PYFAST_NATIVE=<that folder>/_native*.so LD_LIBRARY_PATH=<that folder>.
 # BENCH_PP / BENCH_TG change the bench sizes (a dry run on lavapipe: BENCH_PP=8 BENCH_TG=4).
+# SmolLM2 (98 MB) is read from $PYFAST_CACHE/models (default ~/.cache/pyfast): a machine that
+# cannot download it needs the file copied there (the SmolLM2 tests fail without it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEV=${1:-}
@@ -41,6 +43,8 @@ NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc
 ldconfig -p 2>/dev/null | grep -m1 "libvulkan.so.1" || echo "(libvulkan.so.1 not in the linker cache; LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-})"
 ls /usr/share/vulkan/icd.d /etc/vulkan/icd.d 2>/dev/null || echo "(no Vulkan ICD json found: the GPU's Vulkan driver is not installed)"
 python3 -c "import numpy, tokenizers, jinja2; print('python deps ok')" || echo "(missing python packages)"
+ls "${PYFAST_CACHE:-$HOME/.cache/pyfast}"/models/SmolLM2-135M-Instruct.Q4_1.gguf 2>/dev/null ||
+  echo "(SmolLM2 is not in ${PYFAST_CACHE:-$HOME/.cache/pyfast}/models: its tests and bench need it)"
 
 if [ -z "${PYFAST_NATIVE:-}" ]; then
   if command -v cmake >/dev/null && python3 -c "import pybind11" 2>/dev/null; then
