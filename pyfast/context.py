@@ -53,12 +53,16 @@ class Context:
     device:        "cpu" (default), "vulkan:0", ... or an opened native Device: the plans run
                    there (nodes it lacks on the CPU) and the KV cache and recurrent state live
                    in its memory.
+    swa_full:      models with sliding-window layers (Gemma): True keeps their K/V in the full
+                   cache (any truncation, save / restore); False gives them a cache of their own
+                   bounded to the window, n_seq_max * (W - 1) + n_ubatch cells
+                   (``pyfast/memory/swa.py``: truncation only back to the window's reach).
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
                  n_ubatch: int = 512, kv_dtype: "native.DType | str" = native.DType.F16, max_plans: int = 12,
                  n_seq_max: int = 4, n_rollback: int = 0, export_hidden: bool = False,
-                 kv_dtype_v: "native.DType | str | None" = None, device=None):
+                 kv_dtype_v: "native.DType | str | None" = None, device=None, swa_full: bool = True):
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         if n_ubatch < 1:
@@ -97,9 +101,19 @@ class Context:
             self.memory: KVCache | HybridMemory = HybridMemory(self.kv, self.rec)
         else:
             n_layer, n_head_kv, head_dim = model.kv_geometry()
-            self.kv = KVCache(n_layer, n_ctx, n_head_kv, head_dim, kv_dtype, spec.head_dim_v, dtype_v=kv_dtype_v,
-                              device=self.device, v_in_k=spec.v_in_k)
+            if not swa_full and spec.swa_layers:
+                n_layer -= len(spec.swa_layers)
+            self.kv = KVCache(max(n_layer, 1), n_ctx, n_head_kv, head_dim, kv_dtype, spec.head_dim_v,
+                              dtype_v=kv_dtype_v, device=self.device, v_in_k=spec.v_in_k)
             self.memory = self.kv
+        self.kv_swa: KVCache | None = None  # the sliding-window layers' bounded cache (swa_full=False)
+        if not swa_full and spec.swa_layers and self.rec is None:
+            from pyfast.memory.swa import SWAMemory
+
+            n_swa = min(n_ctx, n_seq_max * (spec.swa_window - 1) + n_ubatch)
+            self.kv_swa = KVCache(len(spec.swa_layers), n_swa, spec.swa_n_head_kv, spec.swa_head_dim, kv_dtype,
+                                  dtype_v=kv_dtype_v, device=self.device)
+            self.memory = SWAMemory(self.kv, self.kv_swa, spec.swa_window)
         self.n_seq_max, self.n_rollback = n_seq_max, n_rollback
         self._plans: OrderedDict[tuple, object] = OrderedDict()
         # the plans run one at a time and their outputs are read before the next decode, so on the
@@ -125,9 +139,13 @@ class Context:
     def _plan(self, shape: BatchShape):
         key = (shape.n_tokens, shape.n_kv, shape.n_out) if self.rec is None else \
             (shape.n_tokens, shape.n_kv, shape.n_out, shape.n_seg)
+        if self.kv_swa is not None:
+            key += (shape.n_kv_swa,)
         plan = self._plans.get(key)
         if plan is None:
-            if self.rec is None and not self.export_hidden:
+            if self.kv_swa is not None:
+                b = self.model.build(shape, self.kv, export_hidden=self.export_hidden, kv_swa=self.kv_swa)
+            elif self.rec is None and not self.export_hidden:
                 b = self.model.build(shape, self.kv)
             else:
                 b = self.model.build(shape, self.kv, rec=self.rec, export_hidden=self.export_hidden)
@@ -212,8 +230,9 @@ class Context:
                 slots = self.kv.prepare_run(int(seq_ids), int(pos[0]), T)
             else:
                 slots = self.kv.prepare(seqs[u0:u1], pos[u0:u1])
-            plan = self._plan(BatchShape(u1 - u0, slots.n_kv, n_out))
-            self._run(plan, toks32[u0:u1], pos[u0:u1], out_ids, slots)
+            swa = self._swa_prepare(seqs[u0:u1], pos[u0:u1])
+            plan = self._plan(BatchShape(u1 - u0, slots.n_kv, n_out, n_kv_swa=swa.n_kv if swa else 0))
+            self._run(plan, toks32[u0:u1], pos[u0:u1], out_ids, slots, swa=swa)
             if not copy and 0 < sel.size == rows.size:  # every requested row is in this micro-batch
                 return plan.output("logits", copy=False)
             if out is None:
@@ -222,7 +241,15 @@ class Context:
                 out[sel] = plan.output("logits", copy=False)
         return out
 
-    def _run(self, plan, toks: np.ndarray, pos: np.ndarray, out_ids: np.ndarray, slots, seg_rows=None) -> None:
+    def _swa_prepare(self, seqs, pos):
+        """The bounded sliding-window cache's slots for a micro-batch (None without one)."""
+        if self.kv_swa is None:
+            return None
+        pos = np.asarray(pos, dtype=np.int32)
+        return self.memory.prepare(np.broadcast_to(np.asarray(seqs, dtype=np.int32), pos.shape), pos)
+
+    def _run(self, plan, toks: np.ndarray, pos: np.ndarray, out_ids: np.ndarray, slots, seg_rows=None,
+             swa=None) -> None:
         """Set one micro-batch's inputs and run its plan (timed into t_compute)."""
         plan.set_input("tokens", toks)
         plan.set_input("pos", pos)
@@ -236,7 +263,11 @@ class Context:
             plan.set_input("kv_sink", sink_boost(slots.mask, slots.order))
         if seg_rows is not None:
             plan.set_input("seqs", seg_rows)
-        if self.swa_window:
+        if swa is not None:  # the sliding layers' own cache
+            plan.set_input("kv_idx_swa", swa.rows)
+            plan.set_input("mask_swa", swa.mask)
+            plan.set_input("kv_order_swa", swa.order)
+        elif self.swa_window:
             plan.set_input("mask_swa", self._swa_mask(slots, pos))
         t0 = time.perf_counter()
         plan.run()
@@ -284,11 +315,13 @@ class Context:
         if n == 1:
             return self._decode_one(int(tokens[0]), pos0, seq, copy=False)
         slots = self.kv.prepare_run(seq, pos0, n)
-        plan = self._plan(BatchShape(n, slots.n_kv, n))
+        pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        swa = self._swa_prepare(seq, pos)
+        plan = self._plan(BatchShape(n, slots.n_kv, n, n_kv_swa=swa.n_kv if swa else 0))
         out_ids = self._out_ids.get(n)
         if out_ids is None:
             out_ids = self._out_ids[n] = np.arange(n, dtype=np.int32)
-        self._run(plan, tokens, np.arange(pos0, pos0 + n, dtype=np.int32), out_ids, slots)
+        self._run(plan, tokens, pos, out_ids, slots, swa=swa)
         return plan.output("logits", copy=False)
 
     def _decode_one(self, tok: int, pos: int, seq: int, copy: bool = True) -> np.ndarray:
@@ -300,9 +333,10 @@ class Context:
         if pos < 0:
             raise ValueError("decode: positions must be >= 0")
         slots = self.kv.prepare_one(seq, pos)
-        plan = self._plan(BatchShape(1, slots.n_kv, 1))
+        swa = self._swa_prepare(seq, [pos])
+        plan = self._plan(BatchShape(1, slots.n_kv, 1, n_kv_swa=swa.n_kv if swa else 0))
         self._run(plan, np.array([tok], dtype=np.int32), np.array([pos], dtype=np.int32),
-                  np.zeros(1, dtype=np.int32), slots)
+                  np.zeros(1, dtype=np.int32), slots, swa=swa)
         return plan.output("logits", copy=copy)
 
     def _decode_grouped(self, toks: np.ndarray, seqs: np.ndarray, pos: np.ndarray, rows: np.ndarray,
@@ -351,12 +385,14 @@ class Context:
                     segs.append((runs[i][0], t0, n, runs[i][3] + off))
                     t0 += n
                 slots, seg_rows = self.memory.prepare(u_seq, u_pos, segs)
+                swa = None
                 shape = BatchShape(Tu, slots.n_kv, n_out, len(segs))
             else:
                 slots, seg_rows = self.kv.prepare(u_seq, u_pos), None
-                shape = BatchShape(Tu, slots.n_kv, n_out)
+                swa = self._swa_prepare(u_seq, u_pos)
+                shape = BatchShape(Tu, slots.n_kv, n_out, n_kv_swa=swa.n_kv if swa else 0)
             plan = self._plan(shape)
-            self._run(plan, toks[idx], u_pos, out_ids, slots, seg_rows)
+            self._run(plan, toks[idx], u_pos, out_ids, slots, seg_rows, swa=swa)
             if sel.size:
                 out[sel] = plan.output("logits", copy=False)
             if hidden is not None:
@@ -374,13 +410,16 @@ class Context:
     def can_rollback(self, seq: int) -> int:
         """How many trailing tokens of `seq` truncate can remove right now (all of them for a KV
         cache). Removing the whole sequence (truncate(seq, 0)) always works."""
-        if self.rec is None:
+        if self.rec is None and self.kv_swa is None:
             return self.kv.seq_len(seq)
         return self.memory.can_rollback(seq)
 
     def save_state(self, seq: int, kv: bool = True) -> SeqState:
         """A host copy of sequence `seq` (its KV rows unless kv=False, and its recurrent state),
         for restore_state of this context or another one of the same model."""
+        if self.kv_swa is not None:
+            raise ValueError("save_state: the sliding-window layers' bounded cache (swa_full=False) keeps no "
+                             "saved states; use Context(..., swa_full=True)")
         if self.rec is None:
             return SeqState(seq=seq, n_tokens=self.kv.seq_len(seq), kv=self.kv.save_seq(seq) if kv else None,
                             rec=None)
@@ -388,6 +427,9 @@ class Context:
 
     def restore_state(self, seq: int, state: SeqState) -> None:
         """Make `seq` hold a saved state; other sequences are untouched."""
+        if self.kv_swa is not None:
+            raise ValueError("restore_state: the sliding-window layers' bounded cache (swa_full=False) keeps no "
+                             "saved states; use Context(..., swa_full=True)")
         if self.rec is None:
             if state.kv is not None:
                 self.kv.restore_seq(seq, state.kv)

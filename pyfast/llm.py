@@ -107,6 +107,9 @@ class LLM:
     dsa, dsa_top_k: DeepSeek Sparse Attention of deepseek32 / glm-dsa models (llama.cpp's --dsa,
     --dsa-top-k): on (None: the default) or off, and the cells each query keeps (-1: the model's
     ``attention.indexer.top_k``). dsa=True on a model without sparse attention is a ValueError.
+    swa_full: models with sliding-window layers (Gemma 3 / 4): False gives those layers a KV cache
+    bounded to the window (n_seq_max * (W - 1) + n_ubatch cells) instead of n_ctx; a reused prompt
+    prefix that reaches back past the window is then decoded afresh.
     device: where the model runs: "cpu" (default) or a device from ``pyfast.devices()`` such as
     "vulkan:0". The weights are uploaded to it once and the KV cache and recurrent state live in
     its memory; ops it has no kernel for run on the CPU. A device that does not exist is a
@@ -118,7 +121,7 @@ class LLM:
                  speculative: SpecConfig | None = None, n_seq_max: int = 4, cache_type_k: str = "f16",
                  cache_type_v: str | None = None, control_vectors=None,
                  control_vector_layer_range: tuple[int, int] | None = None, device: str | None = None,
-                 dsa: bool | None = None, dsa_top_k: int = -1):
+                 dsa: bool | None = None, dsa_top_k: int = -1, swa_full: bool = True):
         from pyfast.chat import ChatTemplate
         from pyfast.device import open_device
         from pyfast.hub import resolve_model
@@ -150,7 +153,7 @@ class LLM:
 
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=max(n_ubatch, n_rollback + 1),
                            n_seq_max=n_seq_max, n_rollback=n_rollback, export_hidden=needs_hidden(props),
-                           kv_dtype=cache_type_k, kv_dtype_v=cache_type_v, device=dev)
+                           kv_dtype=cache_type_k, kv_dtype_v=cache_type_v, device=dev, swa_full=swa_full)
         self._cached: list[int] = []  # tokens of sequence 0 currently in the cache
         self.speculative = speculative
         self._spec = None        # SpecDecoder with the configured proposers

@@ -132,6 +132,14 @@ class KVCache:
     def remove_seq(self, seq: int) -> None:
         self.truncate(seq, 0)
 
+    def drop_before(self, seq: int, p: int) -> None:
+        """Free the cells of `seq` at positions < p (a sliding-window cache's old cells)."""
+        top = self._used_top
+        sel = (self.cell_seq[:top] == seq) & (self.cell_pos[:top] >= 0) & (self.cell_pos[:top] < p)
+        self.cell_pos[:top][sel] = -1
+        self.cell_seq[:top][sel] = -1
+        self._shrink()
+
     def clear(self) -> None:
         self.cell_pos[:] = -1
         self.cell_seq[:] = -1

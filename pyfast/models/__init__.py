@@ -84,13 +84,14 @@ class Model:
     def name(self) -> str:
         return str(self.metadata.get("general.name") or os.path.basename(self.path))
 
-    def build(self, shape: BatchShape, kv, rec=None, export_hidden: bool = False):
+    def build(self, shape: BatchShape, kv, rec=None, export_hidden: bool = False, kv_swa=None):
         """A graph for one batch shape; returns the builder (its .g has outputs 'logits', 'argmax'
         (int32, each logits row's first maximum), and 'hidden' [n_tokens, n_embd] with
         export_hidden)."""
         if export_hidden and not self.supports_hidden:
             raise ValueError(f"{self.path}: architecture {self.arch.ARCH!r} cannot export hidden rows")
-        b = GraphBuilder(self.weights, shape, kv, rec=rec, export_hidden=export_hidden, control=self.control)
+        b = GraphBuilder(self.weights, shape, kv, rec=rec, export_hidden=export_hidden, control=self.control,
+                         kv_swa=kv_swa)
         self._built = True
         logits = self.arch.build(b, self.args)
         b.g.output(logits, "logits")

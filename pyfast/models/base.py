@@ -221,6 +221,7 @@ class BatchShape:
     n_kv: int      # visible cache cells
     n_out: int     # rows whose logits are returned
     n_seg: int = 0  # recurrent segments (one per sequence run) in this micro-batch; 0 = no recurrent memory
+    n_kv_swa: int = 0  # visible cells of the sliding-window layers' own cache (0: they share the main one)
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,12 @@ class MemorySpec:
     v_in_k: bool = False   # values are the leading head_dim_v columns of the K rows (MLA)
     recurrent_layers: tuple[int, ...] = ()
     recurrent: "object | None" = None  # pyfast.memory.recurrent.RecurrentGeometry
+    # sliding-window layers with a cache of their own, bounded to the window (Gemma; Context(...,
+    # swa_full=False)); empty: they share the main cache and attend through a window mask
+    swa_layers: tuple[int, ...] = ()
+    swa_window: int = 0
+    swa_n_head_kv: int = 0
+    swa_head_dim: int = 0
 
     @property
     def is_recurrent(self) -> bool:
@@ -251,7 +258,7 @@ class GraphBuilder:
     """Wraps a native Graph with the inputs of one batch shape and layer helpers."""
 
     def __init__(self, weights: Weights, shape: BatchShape, kv=None, rec=None, export_hidden: bool = False,
-                 control: dict[int, np.ndarray] | None = None):
+                 control: dict[int, np.ndarray] | None = None, kv_swa=None):
         self.g = native.Graph()
         self.control_vectors = control or {}  # 0-based layer -> vector added to its output
         self.w = weights
@@ -270,6 +277,12 @@ class GraphBuilder:
             self.kv_order = g.input("kv_order", DType.I32, [n_kv])
         if rec is not None:
             self.seqs = g.input("seqs", DType.I32, [shape.n_seg, 4])  # (t0, n, slot, src_plane)
+        self.kv_swa = kv_swa  # the sliding-window layers' own (bounded) cache, or None
+        if kv_swa is not None:
+            n_swa = shape.n_kv_swa
+            self.kv_idx_swa = g.input("kv_idx_swa", DType.I32, [T * kv_swa.n_head_kv])
+            self.mask_swa = g.input("mask_swa", DType.F32, [T, n_swa])
+            self.kv_order_swa = g.input("kv_order_swa", DType.I32, [n_swa])
         self._wcache: dict[str, object] = {}
 
     # --- weights ---------------------------------------------------------------------------
@@ -322,28 +335,39 @@ class GraphBuilder:
         k_vis, v_vis = self.kv_store(il, k, v)
         return self.attend(q, k_vis, v_vis, scale, mask)
 
-    def attend(self, q, k_vis, v_vis, scale: float, mask=None):
-        """Attention of q over kv_store's visible cells -> [T, n_head * head_dim_v]."""
+    def attend(self, q, k_vis, v_vis, scale: float, mask=None, swa: bool = False):
+        """Attention of q over kv_store's visible cells -> [T, n_head * head_dim_v] (swa: over the
+        sliding-window cache's cells, with its window mask unless another is given)."""
         g = self.g
-        o = g.attention(q, k_vis, v_vis, self.mask if mask is None else mask, self.kv_order, scale)
+        if swa:
+            mask, order = self.mask_swa if mask is None else mask, self.kv_order_swa
+        else:
+            mask, order = self.mask if mask is None else mask, self.kv_order
+        o = g.attention(q, k_vis, v_vis, mask, order, scale)
         return g.reshape(o, [self.shape.n_tokens, q.shape[1] * v_vis.shape[2]])
 
-    def kv_store(self, il: int, k, v):
-        """Write k/v of this batch into layer il's cache; returns the visible cells' views
-        (k_vis [n_kv, n_head_kv, head_dim], v_vis [n_kv, n_head_kv, head_dim_v], in cache dtypes)."""
-        g, kv, T, n_kv = self.g, self.kv, self.shape.n_tokens, self.shape.n_kv
+    def kv_store(self, il: int, k, v, swa: bool = False):
+        """Write k/v of this batch into layer il's cache (swa: layer il of the sliding-window
+        layers' own cache); returns the visible cells' views (k_vis [n_kv, n_head_kv, head_dim],
+        v_vis [n_kv, n_head_kv, head_dim_v], in cache dtypes)."""
+        g, T = self.g, self.shape.n_tokens
+        if swa:
+            kv, n_kv, kv_idx, tag = self.kv_swa, self.shape.n_kv_swa, self.kv_idx_swa, "swa_"
+        else:
+            kv, n_kv, kv_idx, tag = self.kv, self.shape.n_kv, self.kv_idx, ""
         H, n_ctx = kv.n_head_kv, kv.n_ctx
         # the cache is head-major ([H, n_ctx, D] per layer, see kv_cache.py): the batch's K/V go
         # in as T * H rows (kv_idx: BatchSlots.rows), attention sees them as [n_kv, H, D]
-        k_cache = g.external(f"cache_k.{il}", kv.dtype, [H * n_ctx, kv.head_dim], kv.k, offset=il * kv.k_layer_bytes)
-        k_all = g.set_rows(k_cache, g.reshape(k, [T * H, kv.head_dim]), self.kv_idx)
+        k_cache = g.external(f"{tag}cache_k.{il}", kv.dtype, [H * n_ctx, kv.head_dim], kv.k,
+                             offset=il * kv.k_layer_bytes)
+        k_all = g.set_rows(k_cache, g.reshape(k, [T * H, kv.head_dim]), kv_idx)
         kb = kv.k_row_bytes
         k_vis = g.view(k_all, [n_kv, H, kv.head_dim], [kb, n_ctx * kb, _elem_stride(kv.dtype)])
         if getattr(kv, "v_in_k", False):  # the values are the K rows' leading columns (MLA's latent)
             return k_vis, g.view(k_all, [n_kv, H, kv.head_dim_v], [kb, n_ctx * kb, _elem_stride(kv.dtype)])
-        v_cache = g.external(f"cache_v.{il}", kv.dtype_v, [H * n_ctx, kv.head_dim_v], kv.v,
+        v_cache = g.external(f"{tag}cache_v.{il}", kv.dtype_v, [H * n_ctx, kv.head_dim_v], kv.v,
                              offset=il * kv.v_layer_bytes)
-        v_all = g.set_rows(v_cache, g.reshape(v, [T * H, kv.head_dim_v]), self.kv_idx)
+        v_all = g.set_rows(v_cache, g.reshape(v, [T * H, kv.head_dim_v]), kv_idx)
         vb = kv.v_row_bytes
         v_vis = g.view(v_all, [n_kv, H, kv.head_dim_v], [vb, n_ctx * vb, _elem_stride(kv.dtype_v)])
         return k_vis, v_vis

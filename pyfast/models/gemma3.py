@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from pyfast._loader import native
 from pyfast.models import decoder
-from pyfast.models.base import GraphBuilder, TensorSpec
+from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
 
 ARCH = "gemma3"
@@ -89,6 +89,25 @@ class Args:
         )
 
 
+def memory(args: Args) -> MemorySpec:
+    """Every layer has K / V; the sliding ones may get a cache bounded to the window
+    (Context(..., swa_full=False))."""
+    swa = tuple(i for i in range(args.n_layer) if args.swa_layers[i]) if args.swa_window else ()
+    return MemorySpec(attn_layers=tuple(range(args.n_layer)), n_head_kv=args.n_head_kv, head_dim=args.head_dim,
+                      swa_layers=swa, swa_window=args.swa_window, swa_n_head_kv=args.n_head_kv,
+                      swa_head_dim=args.head_dim)
+
+
+def kv_slot(b: GraphBuilder, args, i: int, layers: tuple[int, ...]) -> tuple[int, bool]:
+    """(KV layer, in the sliding-window cache) of layer i among the KV layers ``layers``: with a
+    bounded sliding-window cache (b.kv_swa) the sliding layers are numbered in it and the others
+    in the main cache; otherwise all in the main cache."""
+    if b.kv_swa is None:
+        return layers.index(i), False
+    swa = args.swa_layers[i]
+    return [j for j in layers if args.swa_layers[j] == swa].index(i), swa
+
+
 def tensors(args: Args) -> list[TensorSpec]:
     d = args.n_embd
     specs = [
@@ -119,7 +138,7 @@ def softcap(b: GraphBuilder, x, c: float):
 
 
 def attention(b: GraphBuilder, args: Args, p: str, h, il: int, rope: Rope, mask=None):
-    """q / k normed and roped, attention over KV layer il (mask: None = causal). [T, d] -> [T, d]."""
+    """q / k normed and roped, attention over layer il's K / V (mask: None = causal). [T, d] -> [T, d]."""
     g = b.g
     T, hd = h.shape[0], args.head_dim
     q = b.norm(g.reshape(b.linear(h, f"{p}.attn_q.weight"), [T, args.n_head, hd]), f"{p}.attn_q_norm.weight", args.eps)
@@ -127,7 +146,9 @@ def attention(b: GraphBuilder, args: Args, p: str, h, il: int, rope: Rope, mask=
                args.eps)
     v = g.reshape(b.linear(h, f"{p}.attn_v.weight"), [T, args.n_head_kv, hd])
     q, k = rope.apply(b, q), rope.apply(b, k)
-    o = b.kv_attention(il, q, k, v, args.attn_scale, mask=mask)
+    j, own = kv_slot(b, args, il, tuple(range(args.n_layer)))
+    k_vis, v_vis = b.kv_store(j, k, v, swa=own)
+    o = b.attend(q, k_vis, v_vis, args.attn_scale, mask=None if own else mask, swa=own)
     return b.linear(o, f"{p}.attn_output.weight")
 
 
@@ -146,7 +167,7 @@ def build(b: GraphBuilder, args: Args):
         p = f"blk.{i}"
         swa = args.swa_layers[i]
         h = attention(b, args, p, b.norm(x, f"{p}.attn_norm.weight", args.eps), i,
-                      args.rope_swa if swa else args.rope, swa_mask(b) if swa else None)
+                      args.rope_swa if swa else args.rope, swa_mask(b) if swa and b.kv_swa is None else None)
         x = g.add(x, b.norm(h, f"{p}.post_attention_norm.weight", args.eps))
         if i == args.n_layer - 1 and not b.export_hidden:
             x = b.select_outputs(x)

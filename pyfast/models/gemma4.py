@@ -35,7 +35,7 @@ import numpy as np
 
 from pyfast._loader import native
 from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
-from pyfast.models.gemma3 import softcap, swa_mask
+from pyfast.models.gemma3 import kv_slot, softcap, swa_mask
 from pyfast.models.rope import ROPE_NEOX, Rope
 
 ARCH = "gemma4"
@@ -149,10 +149,14 @@ class Args:
 
 
 def memory(args: Args) -> MemorySpec:
-    """One KV layer per layer that computes K / V, at the widest geometry of the two types."""
+    """One KV layer per layer that computes K / V, at the widest geometry of the two types; the
+    sliding ones may get a cache of their own bounded to the window (Context(..., swa_full=False))."""
     kv = args.kv_layers
+    swa = tuple(i for i in kv if args.swa_layers[i]) if args.swa_window else ()
     return MemorySpec(attn_layers=kv, n_head_kv=max(args.n_head_kv[i] for i in kv),
-                      head_dim=max(args.dim(i) for i in kv))
+                      head_dim=max(args.dim(i) for i in kv), swa_layers=swa, swa_window=args.swa_window,
+                      swa_n_head_kv=max((args.n_head_kv[i] for i in swa), default=0),
+                      swa_head_dim=max((args.dim(i) for i in swa), default=0))
 
 
 def tensors(args: Args) -> list[TensorSpec]:
@@ -212,7 +216,7 @@ def _pad(b: GraphBuilder, x, H: int, D: int):
     return x
 
 
-def attention(b: GraphBuilder, args: Args, i: int, h, kv_views: dict, Hc: int, Dc: int):
+def attention(b: GraphBuilder, args: Args, i: int, h, kv_views: dict):
     g = b.g
     p, T, H, hd, hkv = f"blk.{i}", h.shape[0], args.n_head, args.dim(i), args.n_head_kv[i]
     swa = args.swa_layers[i]
@@ -220,16 +224,20 @@ def attention(b: GraphBuilder, args: Args, i: int, h, kv_views: dict, Hc: int, D
     q = rope.apply(b, b.norm(g.reshape(b.linear(h, f"{p}.attn_q.weight"), [T, H, hd]), f"{p}.attn_q_norm.weight",
                              args.eps))
     src = args.kv_source[i]
+    j, own = kv_slot(b, args, src, args.kv_layers)
+    cache = b.kv_swa if own else b.kv
+    Hc, Dc = cache.n_head_kv, cache.head_dim
     if src == i:
         kraw = g.reshape(b.linear(h, f"{p}.attn_k.weight"), [T, hkv, hd])
         vraw = g.reshape(b.linear(h, f"{p}.attn_v.weight"), [T, hkv, hd]) if b.has(f"{p}.attn_v.weight") else kraw
         k = rope.apply(b, b.norm(kraw, f"{p}.attn_k_norm.weight", args.eps))
         v = g.rms_norm(vraw, args.eps)
-        kv_views[i] = b.kv_store(args.kv_layers.index(i), _pad(b, k, Hc, Dc), _pad(b, v, Hc, Dc))
+        kv_views[i] = b.kv_store(j, _pad(b, k, Hc, Dc), _pad(b, v, Hc, Dc), swa=own)
     k_vis, v_vis = kv_views[src]
     if hd < Dc:
         q = g.concat(q, _zeros(b, [T, H, Dc - hd]), -1)
-    o = g.attention(q, k_vis, v_vis, swa_mask(b) if swa else b.mask, b.kv_order, 1.0)   # [T, H, Dc]
+    mask = None if own or not swa else swa_mask(b)
+    o = g.reshape(b.attend(q, k_vis, v_vis, 1.0, mask=mask, swa=own), [T, H, Dc])          # [T, H, Dc]
     if hd < Dc:
         o = g.cpy(g.view(o, [T, H, hd], list(o.strides)))
     return b.linear(g.reshape(o, [T, H * hd]), f"{p}.attn_output.weight")
@@ -252,12 +260,10 @@ def build(b: GraphBuilder, args: Args):
     x = g.scale(b.embed("token_embd.weight"), math.sqrt(d))                           # [T, d]
     T = x.shape[0]
     ple = per_layer_inputs(b, args, x) if P else None
-    spec = memory(args)
     kv_views: dict = {}
     for i in range(L):
         p = f"blk.{i}"
-        h = attention(b, args, i, b.norm(x, f"{p}.attn_norm.weight", args.eps), kv_views, spec.n_head_kv,
-                      spec.head_dim)
+        h = attention(b, args, i, b.norm(x, f"{p}.attn_norm.weight", args.eps), kv_views)
         x = g.add(x, b.norm(h, f"{p}.post_attention_norm.weight", args.eps))
         hf = b.norm(x, f"{p}.ffn_norm.weight", args.eps)
         hf = b.linear(g.mul(g.gelu(b.linear(hf, f"{p}.ffn_gate.weight")), b.linear(hf, f"{p}.ffn_up.weight")),

@@ -246,3 +246,73 @@ def test_gemma4_features_are_read(converted):
         model.args = replace(a, **change)
         assert rel_err(ctx_of(model).decode(toks, logits="all"), ref["logits_0"]) > 1e-2, change
     model.args = a
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma4"])
+def test_bounded_sliding_window_cache(converted, name):
+    """Context(swa_full=False): the sliding layers get their own cache of n_seq_max * (W - 1) +
+    n_ubatch cells (W = 4 here), holding only what the window still sees, and every result equals
+    the full cache's bit for bit: prompts split into micro-batches, token-by-token decoding, two
+    interleaved sequences. Truncation works back to the window's reach and raises past it."""
+    from pyfast.context import RollbackError
+
+    path, ref = converted[name]
+    model = Model(path)
+    a, b = ref["tokens_0"], ref["tokens_1"]
+    want_a = ctx_of(model).decode(a, logits="all")
+    want_b = ctx_of(model).decode(b, logits="all")
+
+    def bounded(n_ubatch=4):
+        return ctx_of(model, swa_full=False, n_seq_max=2, n_ubatch=n_ubatch)
+
+    ctx = bounded()
+    assert ctx.kv_swa.n_ctx == 2 * 3 + 4 and ctx.kv.n_layer + ctx.kv_swa.n_layer == len(model.memory_spec().attn_layers)
+    assert np.array_equal(ctx.decode(a, logits="all"), want_a)
+    assert ctx.kv_swa.n_used <= 3 + 4
+    ctx = bounded(8)
+    steps = np.concatenate([ctx.decode(a[:5], logits="all")] + [ctx.decode([t]) for t in a[5:]])
+    assert np.array_equal(steps, want_a) and ctx.kv_swa.n_used == 4
+    # two sequences interleaved, one token of each per batch after the first rows
+    ctx = bounded(8)
+    got_a, got_b = [ctx.decode(a[:3], seq_ids=0, logits="all")], [ctx.decode(b[:2], seq_ids=1, logits="all")]
+    for i in range(3, a.size):
+        toks, seqs, pos = [a[i]], [0], [i]
+        if i - 1 < b.size:
+            toks, seqs, pos = toks + [b[i - 1]], seqs + [1], pos + [i - 1]
+        out = ctx.decode(toks, positions=pos, seq_ids=seqs, logits="all")
+        got_a.append(out[:1])
+        if len(toks) > 1:
+            got_b.append(out[1:])
+    assert np.array_equal(np.concatenate(got_a), want_a) and np.array_equal(np.concatenate(got_b), want_b)
+    # rollback: within the last batch (a speculative verify) it works, further back it cannot
+    ctx = bounded(8)
+    ctx.decode(a[:8], logits="none")
+    ctx.decode(a[8:12], logits="none")
+    assert ctx.can_rollback(0) == 4
+    ctx.truncate(0, 9)
+    assert np.array_equal(ctx.decode(a[9:13], logits="all"), want_a[9:13])
+    with pytest.raises(RollbackError, match="sliding-window cache"):
+        ctx.truncate(0, 6)
+    with pytest.raises(ValueError, match="swa_full"):
+        ctx.save_state(0)
+    ctx.truncate(0, 0)
+    assert ctx.seq_len(0) == 0 and ctx.kv_swa.n_used == 0
+    assert np.array_equal(ctx.decode(a, logits="all"), want_a)
+
+
+def test_llm_bounded_swa_matches_full(converted):
+    """LLM(swa_full=False) on gemma3 generates the same greedy tokens as the full cache: plain, with
+    n-gram speculation (rejected drafts roll back within the verify batch) and with a prompt that
+    reuses part of the previous one (a prefix past the window's reach is decoded afresh)."""
+    from pyfast.llm import LLM
+    from pyfast.spec import SpecConfig
+
+    path, ref = converted["gemma3"]
+    p1 = ref["tokens_0"].tolist()
+    p2 = p1[:10] + ref["tokens_1"][:3].tolist()
+    full = LLM(path, n_ctx=128, n_threads=2)
+    want = [full.generate(p, max_tokens=20, temperature=0, ignore_eos=True).tokens for p in (p1, p2)]
+    for spec in (None, SpecConfig(types="ngram-simple", draft_max=4, ngram_n=1)):
+        llm = LLM(path, n_ctx=128, n_threads=2, swa_full=False, speculative=spec)
+        assert llm.ctx.kv_swa is not None
+        assert [llm.generate(p, max_tokens=20, temperature=0, ignore_eos=True).tokens for p in (p1, p2)] == want
