@@ -343,12 +343,9 @@ PF_AVX512 PF_INLINE __m512 neg_ps(__m512 v) {
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
 }
 
-// fill_ktables (mm_common.h) for the 16 rows at once: per super-block, gathers of the packed
-// scale bytes and fp16 scales of all rows, unpacked with vector bit operations.
-template <DType WT, bool PK = false>
-PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t* slo, int32_t* shi) {
-  for (int64_t B = 0; B < c.nb / 8; ++B) {
-    float* dwb = dw + B * 8 * 16;
+// fill_ktables_sb: super-block B only, its 8 blocks' entries at dwb / mwb / slb / shb ([8][16]).
+template <DType WT, bool PK>
+PF_AVX512 PF_INLINE void fill_ktables_sb(const QCtx& c, int64_t B, float* dwb, float* mwb, int32_t* slb, int32_t* shb) {
     if constexpr (WT == DType::Q6_K) {
       // scales[14], scales[15], d: the fp16 d is the high half (stays inside the block)
       const __m512 d = ldh<WT, PK>(c, B, 208);
@@ -357,8 +354,8 @@ PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t*
         for (int t = 0; t < 2; ++t) {
           const int j = 2 * k + t;
           _mm512_store_ps(dwb + j * 16, d);
-          _mm512_store_si512(slo + (B * 8 + j) * 16, _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 16 * t), 24));
-          _mm512_store_si512(shi + (B * 8 + j) * 16, _mm512_srai_epi32(_mm512_slli_epi32(g, 16 - 16 * t), 24));
+          _mm512_store_si512(slb + j * 16, _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 16 * t), 24));
+          _mm512_store_si512(shb + j * 16, _mm512_srai_epi32(_mm512_slli_epi32(g, 16 - 16 * t), 24));
         }
       }
     } else {
@@ -368,7 +365,6 @@ PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t*
       const __m512i b = ldf<WT, PK, 4>(c, B, 4);  // scales[4..7]
       const __m512i e = ldf<WT, PK, 4>(c, B, 8);  // scales[8..11]
       const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(0x30);
-      float* mwb = mw + B * 8 * 16;
       for (int j = 0; j < 4; ++j) {
         const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(a, 8 * j), m6);
         const __m512i mn = _mm512_and_si512(_mm512_srli_epi32(b, 8 * j), m6);
@@ -383,7 +379,14 @@ PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t*
         _mm512_store_ps(mwb + (j + 4) * 16, neg_ps(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn4))));
       }
     }
-  }
+}
+
+// fill_ktables (mm_common.h) for the 16 rows at once: per super-block, gathers (or, packed,
+// loads) of the scale bytes and fp16 scales of all rows, unpacked with vector bit operations.
+template <DType WT, bool PK = false>
+PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t* slo, int32_t* shi) {
+  for (int64_t B = 0; B < c.nb / 8; ++B)
+    fill_ktables_sb<WT, PK>(c, B, dw + B * 128, mw + B * 128, slo + B * 128, shi + B * 128);
 }
 
 // ----------------------------------------------------------------------------- quantized, rows >= 2
@@ -574,9 +577,18 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
   }
   __m512 acc[RM];
   for (int i = 0; i < RM; ++i) acc[i] = _mm512_setzero_ps();
+  // K-quants in a single decoding pass: each super-block's scale tables are filled when the pass
+  // reaches it, into this small buffer (stays in L1), not for the whole chunk beforehand.
+  constexpr bool kSbTables = kIsK<WT> && MODE == kDecode;
+  alignas(64) float sbt[kSbTables ? 4 * 128 : 1];
   for (int64_t b0 = 0; b0 < nb; b0 += STEP) {
     __m512i w[STEP * 8];
     __m512 dw0, mw0;
+    if constexpr (kSbTables) {
+      if ((b0 & 7) == 0)
+        fill_ktables_sb<WT, PK>(c, b0 >> 3, sbt, sbt + 128, reinterpret_cast<int32_t*>(sbt + 256),
+                                reinterpret_cast<int32_t*>(sbt + 384));
+    }
     if constexpr (MODE == kLoad) {
       for (int k = 0; k < STEP * 8; ++k) w[k] = _mm512_load_si512(xb.wt + b0 * 8 + k);
     } else if constexpr (MODE == kPacked) {
@@ -601,7 +613,10 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
       const int64_t b = b0 + st;
       const __m512i* wb = w + st * 8;
       __m512 dw, mw;
-      if (kIsK<WT> || MODE == kLoad) {
+      if (kSbTables) {
+        dw = _mm512_load_ps(sbt + (b & 7) * 16);
+        if constexpr (kHasMin<WT>) mw = _mm512_load_ps(sbt + 128 + (b & 7) * 16);
+      } else if (kIsK<WT> || MODE == kLoad) {
         dw = _mm512_load_ps(xb.dwt + b * 16);
         if constexpr (kHasMin<WT>) mw = _mm512_load_ps(xb.mwt + b * 16);
       } else {
@@ -609,8 +624,10 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
         mw = mw0;
       }
       if constexpr (WT == DType::Q6_K) {
-        const __m512 sl = _mm512_cvtepi32_ps(_mm512_load_si512(xb.slo + b * 16));
-        const __m512 sh = _mm512_cvtepi32_ps(_mm512_load_si512(xb.shi + b * 16));
+        const int32_t* slp = kSbTables ? reinterpret_cast<const int32_t*>(sbt + 256) + (b & 7) * 16 : xb.slo + b * 16;
+        const int32_t* shp = kSbTables ? reinterpret_cast<const int32_t*>(sbt + 384) + (b & 7) * 16 : xb.shi + b * 16;
+        const __m512 sl = _mm512_cvtepi32_ps(_mm512_load_si512(slp));
+        const __m512 sh = _mm512_cvtepi32_ps(_mm512_load_si512(shp));
         for (int i = 0; i < RM; ++i) {
           const int8_t* x = xq[i] + b * QK;
           const size_t mi = mo[i] + (size_t)b * 4;
@@ -713,9 +730,12 @@ PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
   int32_t* shi = reinterpret_cast<int32_t*>(tabs + 3 * tab);
   xb.slo = slo;
   xb.shi = shi;
-  if constexpr (kIsK<WT>) {
-    if (j.packed) fill_ktables_avx512<WT, true>(c, xb.dwt, xb.mwt, slo, shi);
-    else fill_ktables_avx512<WT>(c, xb.dwt, xb.mwt, slo, shi);
+  if constexpr (kIsK<WT>) {  // a single decoding pass fills them per super-block (xt_pass)
+    const int64_t M = j.m1 - j.m0;
+    if (!(M <= kXtRows<WT> || M == kXtJoin<WT>)) {
+      if (j.packed) fill_ktables_avx512<WT, true>(c, xb.dwt, xb.mwt, slo, shi);
+      else fill_ktables_avx512<WT>(c, xb.dwt, xb.mwt, slo, shi);
+    }
   }
   // Integer offsets the dot chains start from, in ActQ's meta order (groups of 4 rows):
   // Q4_0 / Q5_0 / Q8_0: -(offset * sx); Q6_K: -32 hx and -32 (sx - hx).
