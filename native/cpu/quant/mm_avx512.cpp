@@ -322,8 +322,7 @@ PF_AVX512 PF_INLINE void ldf2(const QCtx& c, int64_t B, int64_t rel, __m512i& t0
   }
 }
 
-// The 16 rows' fp16 field at byte `off` of super-block B, widened (dword lanes as gathered: the
-// half at `off` is the low half when off % 4 == 0).
+// The 16 rows' fp16 field at byte `off` of super-block B, widened.
 template <DType WT, bool PK>
 PF_AVX512 PF_INLINE __m512 ldh(const QCtx& c, int64_t B, int off) {
   constexpr PackFmt F = kPackFmt(WT);
@@ -333,8 +332,11 @@ PF_AVX512 PF_INLINE __m512 ldh(const QCtx& c, int64_t B, int off) {
       if (F.f[i].off == off) at = F.f[i].at;
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(c.pk + B * 16 * F.bs + at)));
   } else {
-    const __m512i g = gat(c, B * F.bs + (off & ~3));
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16((off & 2) ? _mm512_srli_epi32(g, 16) : g));
+    // the 4 bytes from off (low half), or, at the end of the block, from off - 2 (high half):
+    // a gather never reads past the row
+    const bool at_end = off + 4 > F.bs;
+    const __m512i g = gat(c, B * F.bs + off - (at_end ? 2 : 0));
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(at_end ? _mm512_srli_epi32(g, 16) : g));
   }
 }
 
