@@ -49,12 +49,12 @@ if str(ROOT) not in sys.path:
 
 from scripts.make_hybrid_fixtures import QWEN2_SPLIT, VOCAB_SIZE, write_tokenizer  # noqa: E402
 
-NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gemma4")
+NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gemma4", "gemma4moe")
 SEQ_LENS = (13, 9)
 N_PREFILL = 5
 BASE_SEED = {"llama3": 2501, "qwen2": 2502, "qwen3": 2503, "qwen3moe": 2504, "glm4moe": 2505, "gemma3": 2506,
-             "gemma4": 2507}
-MOE = ("qwen3moe", "glm4moe")
+             "gemma4": 2507, "gemma4moe": 2508}
+MOE = ("qwen3moe", "glm4moe", "gemma4moe")
 MIN_ROUTER_MARGIN = 1e-4
 
 
@@ -110,6 +110,15 @@ def make_config(name: str, special: dict[str, int]):
             attention_k_eq_v=True, final_logit_softcapping=5.0, use_double_wide_mlp=True, max_position_embeddings=256,
             tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=common["bos_token_id"],
             eos_token_id=common["eos_token_id"], pad_token_id=0)
+    if name == "gemma4moe":
+        return Gemma4TextConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0, attention_k_eq_v=True, final_logit_softcapping=5.0, enable_moe_block=True,
+            num_experts=4, top_k_experts=2, moe_intermediate_size=16, max_position_embeddings=256,
+            tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=common["bos_token_id"],
+            eos_token_id=common["eos_token_id"], pad_token_id=0)
     raise ValueError(name)
 
 
@@ -122,7 +131,7 @@ def model_class(name: str):
 
     return {"llama3": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
             "qwen3moe": Qwen3MoeForCausalLM, "glm4moe": Glm4MoeForCausalLM, "gemma3": Gemma3ForCausalLM,
-            "gemma4": Gemma4ForCausalLM}[name]
+            "gemma4": Gemma4ForCausalLM, "gemma4moe": Gemma4ForCausalLM}[name]
 
 
 def random_param(name: str, shape: tuple, rng: np.random.Generator, tied: bool,
@@ -136,7 +145,7 @@ def random_param(name: str, shape: tuple, rng: np.random.Generator, tied: bool,
         return rng.standard_normal(shape) * 0.3
     if last == "e_score_correction_bias":                      # the router's selection bias
         return rng.uniform(-0.3, 0.3, shape)
-    if last == "layer_scalar":                                 # Gemma 4's per-layer output scale
+    if last in ("layer_scalar", "scale", "per_expert_scale"):  # Gemma 4's output / router scales
         return rng.uniform(0.5, 1.5, shape)
     if "embed_tokens" in name:
         return rng.standard_normal(shape) * (0.3 if tied else 1.0)
@@ -167,13 +176,15 @@ class RouterTap:
     def __init__(self, modules, top_k: int):
         self.top_k, self.margin = top_k, float("inf")
         self.handles = [m.register_forward_hook(self._hook) for m in modules
-                        if type(m).__name__.lower().endswith("topkrouter")]
+                        if type(m).__name__.lower().endswith(("topkrouter", "textrouter"))]
 
     def _hook(self, module, inputs, output):
         import torch
 
         if hasattr(module, "e_score_correction_bias"):
             probs = torch.sigmoid(output[0].double()) + module.e_score_correction_bias.double()
+        elif type(module).__name__.endswith("TextRouter"):            # Gemma 4: already probabilities
+            probs = output[0].double()
         else:
             probs = torch.softmax(output[0].double(), dim=-1)
         top = torch.sort(probs, dim=-1, descending=True).values

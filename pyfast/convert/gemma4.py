@@ -1,4 +1,4 @@
-"""Gemma 4 text checkpoints (``gemma4_text``, dense) -> GGUF arch ``gemma4``.
+"""Gemma 4 text checkpoints (``gemma4_text``, dense and MoE) -> GGUF arch ``gemma4``.
 
 Conventions of the written file (what ``pyfast/models/gemma4.py`` reads):
 
@@ -10,6 +10,10 @@ Conventions of the written file (what ``pyfast/models/gemma4.py`` reads):
   per-layer config) and ``attention.key_length_swa``; ``attention.head_count_kv`` per layer;
 * proportional rope of the global layers -> ``rope_freqs.weight`` [head_dim / 2]: 1 for the
   ``partial_rotary_factor`` share of pairs that rotate, 1e30 (no rotation) for the rest;
+* MoE block: ``router.proj`` -> ``ffn_gate_inp``, ``router.scale`` -> ``ffn_gate_inp.scale``,
+  ``router.per_expert_scale`` -> ``ffn_down_exps.scale``, ``experts.gate_up_proj`` -> split
+  ``ffn_{gate,up}_exps``, ``pre/post_feedforward_layernorm_2 / _1`` -> ``ffn_pre_norm_2``,
+  ``ffn_post_norm_1 / _2``;
 * shared KV layers (``num_kv_shared_layers``) get no K / V tensors; a global layer whose values
   are its keys (``attention_k_eq_v``) gets no ``attn_v``.
 """
@@ -21,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pyfast.convert.decoder import _keep_f32, check_unused, output_head
+from pyfast.convert.decoder import _keep_f32, check_unused, experts, output_head
 from pyfast.convert.qwen35 import Plan, PlannedTensor, _int, _Source
 from pyfast.convert.safetensors import SafetensorsDir
 
@@ -54,6 +58,9 @@ class HParams:
     partial: float
     final_softcap: float | None
     tied: bool
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
 
 def hparams(arch: str, config: dict[str, Any]) -> HParams:
@@ -61,8 +68,6 @@ def hparams(arch: str, config: dict[str, Any]) -> HParams:
     d = _int(cfg, "hidden_size")
     L = _int(cfg, "num_hidden_layers")
     n_head = _int(cfg, "num_attention_heads")
-    if cfg.get("enable_moe_block"):
-        raise ValueError("config.json: enable_moe_block (Gemma 4 MoE) is not supported")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("config.json: use_bidirectional_attention is not supported (causal models only)")
     act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
@@ -108,6 +113,8 @@ def hparams(arch: str, config: dict[str, Any]) -> HParams:
         partial=float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type", "proportional") ==
         "proportional" else 1.0,
         final_softcap=cfg.get("final_logit_softcapping"), tied=bool(cfg.get("tie_word_embeddings", True)),
+        **(dict(n_expert=_int(cfg, "num_experts"), n_expert_used=_int(cfg, "top_k_experts"),
+                n_ff_exp=_int(cfg, "moe_intermediate_size")) if cfg.get("enable_moe_block") else {}),
     )
 
 
@@ -160,6 +167,18 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
         add(f"{b}.ffn_up.weight", (ff, d), src.get(f"{p}.mlp.up_proj.weight", (ff, d)))
         add(f"{b}.ffn_down.weight", (d, ff), src.get(f"{p}.mlp.down_proj.weight", (d, ff)))
         add(f"{b}.layer_output_scale.weight", (1,), src.get(f"{p}.layer_scalar", (1,)))
+        if hp.n_expert:
+            E, F = hp.n_expert, hp.n_ff_exp
+            gate, up, down = experts(src, p, E, F, d)
+            add(f"{b}.ffn_gate_inp.weight", (E, d), src.get(f"{p}.router.proj.weight", (E, d)))
+            add(f"{b}.ffn_gate_inp.scale", (d,), src.get(f"{p}.router.scale", (d,)))
+            add(f"{b}.ffn_down_exps.scale", (E,), src.get(f"{p}.router.per_expert_scale", (E,)))
+            add(f"{b}.ffn_gate_exps.weight", (E, F, d), gate)
+            add(f"{b}.ffn_up_exps.weight", (E, F, d), up)
+            add(f"{b}.ffn_down_exps.weight", (E, d, F), down)
+            add(f"{b}.ffn_pre_norm_2.weight", (d,), src.get(f"{p}.pre_feedforward_layernorm_2.weight", (d,)))
+            add(f"{b}.ffn_post_norm_1.weight", (d,), src.get(f"{p}.post_feedforward_layernorm_1.weight", (d,)))
+            add(f"{b}.ffn_post_norm_2.weight", (d,), src.get(f"{p}.post_feedforward_layernorm_2.weight", (d,)))
         if P:
             add(f"{b}.inp_gate.weight", (P, d), src.get(f"{p}.per_layer_input_gate.weight", (P, d)))
             add(f"{b}.proj.weight", (d, P), src.get(f"{p}.per_layer_projection.weight", (d, P)))
@@ -199,6 +218,10 @@ def metadata(hp: HParams, n_mtp: int) -> list[tuple[str, Any, str]]:
         m.append((f"{a}.attention.sliding_window_pattern", list(hp.sliding), "array[bool]"))
     u32("attention.shared_kv_layers", hp.n_shared)
     u32("embedding_length_per_layer_input", hp.n_per_layer)
+    if hp.n_expert:
+        u32("expert_count", hp.n_expert)
+        u32("expert_used_count", hp.n_expert_used)
+        u32("expert_feed_forward_length", hp.n_ff_exp)
     if hp.final_softcap:
         m.append((f"{a}.final_logit_softcapping", float(hp.final_softcap), "float32"))
     return m

@@ -15,6 +15,10 @@ attention geometry, shared KV layers and a per-layer output scale.
   ``(p + e) / sqrt(2)``, [T, L, P]; layer i adds ``post_norm(proj(gelu(inp_gate(x)) * pe_i))``.
 * Each layer's output is multiplied by ``layer_output_scale`` (a [1] tensor); logits are
   soft-capped with ``final_logit_softcapping``.
+* MoE (``expert_count`` > 0, 26B-A4B): beside the dense FFN, a router on
+  ``rms(x) * ffn_gate_inp.scale / sqrt(d)`` (softmax, top ``expert_used_count``, renormalised, times
+  the chosen experts' ``ffn_down_exps.scale``) weights GeGLU experts run on ``ffn_pre_norm_2(x)``;
+  the FFN output is ``ffn_post_norm_1(dense) + ffn_post_norm_2(experts)`` before ``post_ffw_norm``.
 
 Tensor names are llama.cpp's (``per_layer_token_embd``, ``blk.N.inp_gate`` / ``proj`` /
 ``post_norm``, ``layer_output_scale``, a shared ``rope_freqs``); the per-type metadata keys
@@ -23,8 +27,8 @@ Tensor names are llama.cpp's (``per_layer_token_embd``, ``blk.N.inp_gate`` / ``p
 
 The KV cache has one geometry for all layers, so the two layer types share the larger one: K / V
 rows are zero-padded to the widest head and kv heads repeated up to the most kv heads (q is
-padded alike; the padding adds nothing to any score or output). Not supported: the MoE block
-(``expert_count``) and bidirectional attention.
+padded alike; the padding adds nothing to any score or output). Not supported: bidirectional
+attention.
 """
 from __future__ import annotations
 
@@ -64,6 +68,10 @@ class Args:
     n_kv_shared: int
     n_embd_per_layer: int
     final_softcap: float = 0.0
+    n_expert: int = 0       # the MoE block beside the dense FFN (26B-A4B)
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    merged_gate_up: bool = False  # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
 
     @property
     def kv_source(self) -> tuple[int, ...]:
@@ -99,8 +107,10 @@ class Args:
                 return tuple(v)
             return (m.int(key, default, lo=lo, hi=hi),) * n
 
-        if m.has(f"{a}.expert_count") and m.int(f"{a}.expert_count", lo=0, hi=M.MAX_EXPERTS):
-            raise m.fail(f"{a}.expert_count", md.get(f"{a}.expert_count"), "0 (the MoE block is not supported)")
+        n_expert = m.int(f"{a}.expert_count", 0, lo=0, hi=M.MAX_EXPERTS)
+        moe = dict(n_expert=n_expert, n_expert_used=m.int(f"{a}.expert_used_count", lo=1, hi=n_expert),
+                   n_ff_exp=m.int(f"{a}.expert_feed_forward_length", lo=1, hi=M.MAX_FF),
+                   merged_gate_up="blk.0.ffn_gate_up_exps.weight" in weights) if n_expert else {}
         n_embd = m.int(f"{a}.embedding_length", lo=1, hi=M.MAX_EMBD)
         n_layer = m.int(f"{a}.block_count", lo=1, hi=M.MAX_LAYERS)
         M.check_blocks(path, f"{a}.block_count", n_layer, weights)
@@ -144,7 +154,7 @@ class Args:
             tied="output.weight" not in weights, swa_window=window if any(pat) else 0, swa_layers=tuple(pat),
             n_kv_shared=n_shared, n_embd_per_layer=m.int(f"{a}.embedding_length_per_layer_input", 0, lo=0,
                                                          hi=M.MAX_EMBD),
-            final_softcap=m.float(f"{a}.final_logit_softcapping", 0.0, lo=0.0),
+            final_softcap=m.float(f"{a}.final_logit_softcapping", 0.0, lo=0.0), **moe,
         )
 
 
@@ -186,6 +196,17 @@ def tensors(args: Args) -> list[TensorSpec]:
         if P:
             specs += [TensorSpec(f"{p}.inp_gate.weight", (P, d)), TensorSpec(f"{p}.proj.weight", (d, P)),
                       TensorSpec(f"{p}.post_norm.weight", (d,))]
+        if args.n_expert:
+            E, F = args.n_expert, args.n_ff_exp
+            specs += [TensorSpec(f"{p}.ffn_gate_inp.weight", (E, d)), TensorSpec(f"{p}.ffn_gate_inp.scale", (d,)),
+                      TensorSpec(f"{p}.ffn_down_exps.scale", (E,)), TensorSpec(f"{p}.ffn_down_exps.weight", (E, d, F))]
+            specs += [TensorSpec(f"{p}.{n}.weight", (d,)) for n in ("ffn_pre_norm_2", "ffn_post_norm_1",
+                                                                    "ffn_post_norm_2")]
+            if args.merged_gate_up:
+                specs.append(TensorSpec(f"{p}.ffn_gate_up_exps.weight", (E, 2 * F, d)))
+            else:
+                specs += [TensorSpec(f"{p}.ffn_gate_exps.weight", (E, F, d)),
+                          TensorSpec(f"{p}.ffn_up_exps.weight", (E, F, d))]
     return specs
 
 
@@ -243,6 +264,31 @@ def attention(b: GraphBuilder, args: Args, i: int, h, kv_views: dict):
     return b.linear(g.reshape(o, [T, H * hd]), f"{p}.attn_output.weight")
 
 
+def moe(b: GraphBuilder, args: Args, p: str, x):
+    """The MoE block beside the dense FFN, on the layer's input x [T, d]: router on
+    rms(x) * ffn_gate_inp.scale / sqrt(d) (softmax, top k, renormalised, times the chosen experts'
+    ffn_down_exps.scale), GeGLU experts on ffn_pre_norm_2(x). Returns [T, d] (before its post norm)."""
+    g = b.g
+    T, d, k, E = x.shape[0], args.n_embd, args.n_expert_used, args.n_expert
+    r = g.scale(g.mul(g.rms_norm(x, args.eps), b.weight(f"{p}.ffn_gate_inp.scale")), d ** -0.5)
+    logits = b.linear(r, f"{p}.ffn_gate_inp.weight")                                     # [T, E]
+    ids = g.topk(logits, k)                                                              # [T, k]
+    w = g.softmax(g.gather(logits, ids))
+    pes = g.get_rows(g.reshape(b.weight(f"{p}.ffn_down_exps.scale"), [E, 1]), g.reshape(ids, [T * k]))
+    w = g.mul(w, g.reshape(pes, [T, k]))
+    h = b.norm(x, f"{p}.ffn_pre_norm_2.weight", args.eps)
+    if b.has(f"{p}.ffn_gate_up_exps.weight"):
+        gu = g.matmul_id(h, b.weight(f"{p}.ffn_gate_up_exps.weight"), ids)             # [T, k, 2F]
+        F = gu.shape[2] // 2
+        st = list(gu.strides)
+        gate, up = g.view(gu, [T, k, F], st), g.view(gu, [T, k, F], st, offset=F * 4)
+    else:
+        gate = g.matmul_id(h, b.weight(f"{p}.ffn_gate_exps.weight"), ids)              # [T, k, F]
+        up = g.matmul_id(h, b.weight(f"{p}.ffn_up_exps.weight"), ids)
+    down = g.matmul_id(g.mul(g.gelu(gate), up), b.weight(f"{p}.ffn_down_exps.weight"), ids)   # [T, k, d]
+    return g.sum(g.mul(down, g.reshape(w, [T, k, 1])), 1)
+
+
 def per_layer_inputs(b: GraphBuilder, args: Args, x0):
     """[T, L, P]: token-identity and context parts of the per-layer embeddings, combined."""
     g = b.g
@@ -268,6 +314,9 @@ def build(b: GraphBuilder, args: Args):
         hf = b.norm(x, f"{p}.ffn_norm.weight", args.eps)
         hf = b.linear(g.mul(g.gelu(b.linear(hf, f"{p}.ffn_gate.weight")), b.linear(hf, f"{p}.ffn_up.weight")),
                       f"{p}.ffn_down.weight")
+        if args.n_expert:
+            hf = g.add(b.norm(hf, f"{p}.ffn_post_norm_1.weight", args.eps),
+                       b.norm(moe(b, args, p, x), f"{p}.ffn_post_norm_2.weight", args.eps))
         x = g.add(x, b.norm(hf, f"{p}.post_ffw_norm.weight", args.eps))
         if P:
             pe = g.view(ple, [T, P], [L * P * 4, 4], offset=i * P * 4)

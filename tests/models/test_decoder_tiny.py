@@ -14,9 +14,9 @@ from pyfast.context import Context
 from pyfast.models import Model
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "decoder"
-NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gemma4")
+NAMES = ("llama3", "qwen2", "qwen3", "qwen3moe", "glm4moe", "gemma3", "gemma4", "gemma4moe")
 ARCH = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "glm4moe": "glm4moe",
-        "gemma3": "gemma3", "gemma4": "gemma4"}
+        "gemma3": "gemma3", "gemma4": "gemma4", "gemma4moe": "gemma4"}
 TOL = 1e-3
 
 
@@ -316,3 +316,28 @@ def test_llm_bounded_swa_matches_full(converted):
         llm = LLM(path, n_ctx=128, n_threads=2, swa_full=False, speculative=spec)
         assert llm.ctx.kv_swa is not None
         assert [llm.generate(p, max_tokens=20, temperature=0, ignore_eos=True).tokens for p in (p1, p2)] == want
+
+
+def test_gemma4_moe_block(converted, tmp_path):
+    """gemma4 with its MoE block (4 experts, top 2, router scale and per-expert scales, GeGLU
+    experts beside the dense FFN): the block matters, and pre-merged ffn_gate_up_exps give the
+    same logits as split stacks."""
+    from dataclasses import replace
+
+    path, ref = converted["gemma4moe"]
+    model = Model(path)
+    a = model.args
+    assert (a.n_expert, a.n_expert_used, a.n_ff_exp) == (4, 2, 16) and not a.merged_gate_up
+    toks = ref["tokens_0"]
+    base = ctx_of(model).decode(toks, logits="all")
+    model.args = replace(a, n_expert=0)
+    assert rel_err(ctx_of(model).decode(toks, logits="all"), ref["logits_0"]) > 1e-2
+    model.args = a
+    add, drop = {}, set()
+    for i in range(a.n_layer):
+        g, u = f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight"
+        add[f"blk.{i}.ffn_gate_up_exps.weight"] = np.concatenate([model.weights.f32(g), model.weights.f32(u)], axis=1)
+        drop |= {g, u}
+    merged = Model(_rewrite(path, tmp_path / "merged.gguf", drop=drop, add=add))
+    assert merged.args.merged_gate_up
+    assert np.array_equal(ctx_of(merged).decode(toks, logits="all"), base)
