@@ -84,9 +84,17 @@ class Args:
             eps=m.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-6, positive=True),
             n_ctx_train=m.int(f"{a}.context_length", 8192, lo=1, hi=M.MAX_CTX),
             tied="output.weight" not in weights, swa_window=window, swa_layers=swa,
-            attn_scale=m.float(f"{a}.attention.scale", 1.0 / math.sqrt(head_dim), positive=True),
+            attn_scale=m.float(f"{a}.attention.scale", default_attn_scale(n_layer, n_embd, n_head, head_dim),
+                               positive=True),
             final_softcap=m.float(f"{a}.final_logit_softcapping", 0.0, lo=0.0),
         )
+
+
+def default_attn_scale(n_layer: int, n_embd: int, n_head: int, head_dim: int) -> float:
+    """The score scale of a file without ``attention.scale`` (llama.cpp's converter writes none):
+    ``query_pre_attn_scalar ** -0.5``, which is ``n_embd / n_head`` for Gemma 3 27B (62 layers) and
+    the head size for the other sizes, as llama.cpp assumes."""
+    return 1.0 / math.sqrt(n_embd / n_head if n_layer == 62 else head_dim)
 
 
 def memory(args: Args) -> MemorySpec:

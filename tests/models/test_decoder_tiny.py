@@ -341,3 +341,12 @@ def test_gemma4_moe_block(converted, tmp_path):
     merged = Model(_rewrite(path, tmp_path / "merged.gguf", drop=drop, add=add))
     assert merged.args.merged_gate_up
     assert np.array_equal(ctx_of(merged).decode(toks, logits="all"), base)
+
+
+def test_gemma3_default_attention_scale():
+    """Without attention.scale (llama.cpp's files) the scale is query_pre_attn_scalar ** -0.5 as
+    llama.cpp assumes it: n_embd / n_head for the 62-layer 27B, the head size otherwise."""
+    from pyfast.models.gemma3 import default_attn_scale
+
+    assert abs(default_attn_scale(62, 5376, 32, 128) - 168 ** -0.5) < 1e-12
+    assert default_attn_scale(34, 2560, 8, 256) == 256 ** -0.5
