@@ -60,9 +60,9 @@ SHAPES = {
     # A dense Qwen3.5-style hybrid: 3 Gated DeltaNet layers per full-attention layer.
     "qwen35-2b": Shape("qwen35", 2048, 24, 8, 2, 256, n_ff=6144, ssm_heads_k=16, ssm_heads_v=16,
                        ssm_state=128, note="Qwen3.5-style hybrid, dense FFN"),
-    # A Qwen3-Next-style sparse hybrid: 64 experts (8 used) plus a shared expert.
+    # A Qwen3-Next-style sparse hybrid: 32 experts (8 used) plus a shared expert.
     "qwen35moe-3b": Shape("qwen35moe", 2048, 24, 16, 2, 256, ssm_heads_k=16, ssm_heads_v=32,
-                          ssm_state=128, n_expert=64, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
+                          ssm_state=128, n_expert=32, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
                           note="Qwen3-Next-style hybrid MoE"),
 }
 
