@@ -16,13 +16,13 @@ Conventions of the written file (what ``pyfast/models/decoder.py`` reads):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pyfast.convert.qwen35 import Plan, PlannedTensor, _int, _map, _Source
+from pyfast.convert.common import attention_metadata, check_unused, dense_ffn, experts, tensor_adder
+from pyfast.convert.qwen35 import Plan, _int, _map, _Source
 from pyfast.convert.safetensors import SafetensorsDir
 
 ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -114,30 +114,13 @@ def _keep_f32(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or ".ffn_gate_inp" in name
 
 
-def experts(src: _Source, p: str, E: int, ff: int, d: int) -> tuple[Callable, Callable, Callable]:
-    """(gate, up, down) stacks of layer prefix p (``{p}.experts.*``), fused or per-expert."""
-    fused = f"{p}.experts.gate_up_proj"
-    fused = fused if src.has(fused) else (fused + ".weight" if src.has(fused + ".weight") else None)
-    if fused is not None:
-        gu = src.get(fused, (E, 2 * ff, d))
-        down_name = f"{p}.experts.down_proj"
-        down = src.get(down_name if src.has(down_name) else down_name + ".weight", (E, d, ff))
-        return _map(gu, lambda w: w[:, :ff]), _map(gu, lambda w: w[:, ff:]), down
-    parts = []
-    for w, shape in (("gate_proj", (ff, d)), ("up_proj", (ff, d)), ("down_proj", (d, ff))):
-        fs = [src.get(f"{p}.experts.{e}.{w}.weight", shape) for e in range(E)]
-        parts.append(lambda fs=fs: np.stack([f() for f in fs]))
-    return tuple(parts)
-
-
 def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
     """Check the checkpoint against the config and list the GGUF tensors to write."""
     src = _Source(st)
     d, V, H, Hkv, D = hp.n_embd, hp.n_vocab, hp.n_head, hp.n_head_kv, hp.head_dim
     out = Plan(hp, 0)
 
-    def add(name: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> None:
-        out.tensors.append(PlannedTensor(name, tuple(shape), _keep_f32(name, tuple(shape)), produce))
+    add = tensor_adder(out.tensors, _keep_f32)
 
     perm = hp.arch == "llama"
     add("token_embd.weight", (V, d), src.get("model.embed_tokens.weight", (V, d)))
@@ -168,9 +151,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
             add(f"{b}.ffn_down_exps.weight", (E, d, ff), down)
         else:
             ff = hp.n_ff
-            add(f"{b}.ffn_gate.weight", (ff, d), src.get(f"{p}.mlp.gate_proj.weight", (ff, d)))
-            add(f"{b}.ffn_up.weight", (ff, d), src.get(f"{p}.mlp.up_proj.weight", (ff, d)))
-            add(f"{b}.ffn_down.weight", (d, ff), src.get(f"{p}.mlp.down_proj.weight", (d, ff)))
+            dense_ffn(add, src.get, b, p, ff, d)
     add("output_norm.weight", (d,), src.get("model.norm.weight", (d,)))
     output_head(src, st, hp, add)
     check_unused(src, st)
@@ -186,13 +167,6 @@ def output_head(src: _Source, st: SafetensorsDir, hp, add) -> None:
             add("output.weight", (V, d), src.get("lm_head.weight", (V, d)))
     elif not hp.tied:
         raise ValueError(f"{st.dir}: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
-
-
-def check_unused(src: _Source, st: SafetensorsDir) -> None:
-    unused = sorted(src.names[n] for n in src.names if n not in src.used)
-    if unused:
-        more = f" (and {len(unused) - 8} more)" if len(unused) > 8 else ""
-        raise ValueError(f"{st.dir}: unexpected tensor(s) in the checkpoint: {', '.join(unused[:8])}{more}")
 
 
 def rope_freqs(hp) -> np.ndarray | None:
@@ -243,16 +217,7 @@ def metadata(hp: HParams, n_mtp: int) -> list[tuple[str, Any, str]]:
     def u32(key: str, v: int) -> None:
         m.append((f"{a}.{key}", int(v), "uint32"))
 
-    u32("block_count", hp.n_layer)
-    if hp.n_ctx is not None:
-        u32("context_length", hp.n_ctx)
-    u32("embedding_length", hp.n_embd)
-    if hp.n_ff is not None:
-        u32("feed_forward_length", hp.n_ff)
-    u32("attention.head_count", hp.n_head)
-    u32("attention.head_count_kv", hp.n_head_kv)
-    u32("attention.key_length", hp.head_dim)
-    u32("attention.value_length", hp.head_dim)
+    m += attention_metadata(a, hp.n_layer, hp.n_ctx, hp.n_embd, hp.n_ff, hp.n_head, hp.n_head_kv, hp.head_dim)
     u32("rope.dimension_count", hp.head_dim)
     if hp.rope_theta is not None:
         m.append((f"{a}.rope.freq_base", float(hp.rope_theta), "float32"))

@@ -36,6 +36,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pyfast.convert.common import (
+    PlannedTensor, dense_ffn, nextn_tensors, reject_unused, routed_moe_ffn, tensor_adder,
+)
 from pyfast.convert.safetensors import SafetensorsDir
 
 ARCH_BY_MODEL_TYPE = {"deepseek_v3": "deepseek2", "deepseek_v32": "deepseek32", "glm_moe_dsa": "glm-dsa"}
@@ -149,14 +152,6 @@ def hparams(arch: str, cfg: dict) -> HParams:
 
 
 @dataclass
-class PlannedTensor:
-    name: str
-    shape: tuple[int, ...]
-    keep_f32: bool
-    produce: Callable[[], np.ndarray]
-
-
-@dataclass
 class Plan:
     hp: HParams
     n_mtp: int
@@ -209,8 +204,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
                       "none; writing the model without MTP", stacklevel=3)
     out = Plan(hp, n_mtp)
 
-    def add(name: str, shape, produce) -> None:
-        out.tensors.append(PlannedTensor(name, tuple(shape), _keep_f32(name, tuple(shape)), produce))
+    add = tensor_adder(out.tensors, _keep_f32)
 
     perm_q = np.arange(n + rp)
     perm_kv = np.arange(r + rp)
@@ -270,23 +264,9 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
     def ffn(b: str, p: str, il: int) -> None:
         if il < hp.n_dense:
             ff = hp.n_ff
-            add(f"{b}.ffn_gate.weight", (ff, d), get(f"{p}.mlp.gate_proj.weight", (ff, d)))
-            add(f"{b}.ffn_up.weight", (ff, d), get(f"{p}.mlp.up_proj.weight", (ff, d)))
-            add(f"{b}.ffn_down.weight", (d, ff), get(f"{p}.mlp.down_proj.weight", (d, ff)))
+            dense_ffn(add, get, b, p, ff, d)
             return
-        E, ff = hp.n_expert, hp.n_ff_exp
-        gate, up, down = experts(p)
-        add(f"{b}.ffn_gate_inp.weight", (E, d), get(f"{p}.mlp.gate.weight", (E, d)))
-        add(f"{b}.exp_probs_b.bias", (E,), get(f"{p}.mlp.gate.e_score_correction_bias", (E,)))
-        add(f"{b}.ffn_gate_exps.weight", (E, ff, d), gate)
-        add(f"{b}.ffn_up_exps.weight", (E, ff, d), up)
-        add(f"{b}.ffn_down_exps.weight", (E, d, ff), down)
-        if hp.n_shared:
-            fs = ff * hp.n_shared
-            s = f"{p}.mlp.shared_experts"
-            add(f"{b}.ffn_gate_shexp.weight", (fs, d), get(f"{s}.gate_proj.weight", (fs, d)))
-            add(f"{b}.ffn_up_shexp.weight", (fs, d), get(f"{s}.up_proj.weight", (fs, d)))
-            add(f"{b}.ffn_down_shexp.weight", (d, fs), get(f"{s}.down_proj.weight", (d, fs)))
+        routed_moe_ffn(add, get, b, p, hp.n_expert, hp.n_ff_exp, d, hp.n_shared, experts(p))
 
     add("token_embd.weight", (V, d), get("model.embed_tokens.weight", (V, d)))
     for i in range(hp.n_layer + n_mtp):
@@ -296,23 +276,13 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
         add(f"{b}.ffn_norm.weight", (d,), get(f"{p}.post_attention_layernorm.weight", (d,)))
         ffn(b, p, i)
         if i >= hp.n_layer:
-            add(f"{b}.nextn.eh_proj.weight", (d, 2 * d), get(f"{p}.eh_proj.weight", (d, 2 * d)))
-            add(f"{b}.nextn.enorm.weight", (d,), get(f"{p}.enorm.weight", (d,)))
-            add(f"{b}.nextn.hnorm.weight", (d,), get(f"{p}.hnorm.weight", (d,)))
-            add(f"{b}.nextn.shared_head_norm.weight", (d,), get(f"{p}.shared_head.norm.weight", (d,)))
-            if f"{p}.shared_head.head.weight" in names:
-                add(f"{b}.nextn.shared_head_head.weight", (V, d), get(f"{p}.shared_head.head.weight", (V, d)))
-            if f"{p}.embed_tokens.weight" in names:
-                add(f"{b}.nextn.embed_tokens.weight", (V, d), get(f"{p}.embed_tokens.weight", (V, d)))
+            nextn_tensors(add, get, names.__contains__, b, p, d, V)
     add("output_norm.weight", (d,), get("model.norm.weight", (d,)))
     if "lm_head.weight" in names:
         add("output.weight", (V, d), get("lm_head.weight", (V, d)))
     elif not hp.tied:
         raise ValueError(f"{st.dir}: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
-    unused = sorted(names - used)
-    if unused:
-        more = f" (and {len(unused) - 8} more)" if len(unused) > 8 else ""
-        raise ValueError(f"{st.dir}: unexpected tensor(s) in the checkpoint: {', '.join(unused[:8])}{more}")
+    reject_unused(st.dir, sorted(names - used))
     return out
 
 

@@ -14,14 +14,12 @@ Conventions of the written file (what ``pyfast/models/gemma3.py`` reads):
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from pyfast.convert.decoder import _keep_f32, check_unused, output_head, rope_metadata
-from pyfast.convert.qwen35 import Plan, PlannedTensor, _int, _plus_one, _Source
+from pyfast.convert.common import attention_metadata, check_unused, dense_ffn, tensor_adder
+from pyfast.convert.decoder import _keep_f32, output_head, rope_metadata
+from pyfast.convert.qwen35 import Plan, _int, _plus_one, _Source
 from pyfast.convert.safetensors import SafetensorsDir
 
 ARCH_BY_MODEL_TYPE = {"gemma3_text": "gemma3", "gemma3": "gemma3"}
@@ -104,8 +102,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
     d, V, H, Hkv, D = hp.n_embd, hp.n_vocab, hp.n_head, hp.n_head_kv, hp.head_dim
     out = Plan(hp, 0)
 
-    def add(name: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> None:
-        out.tensors.append(PlannedTensor(name, tuple(shape), _keep_f32(name, tuple(shape)), produce))
+    add = tensor_adder(out.tensors, _keep_f32)
 
     def norm(name: str, hf: str, n: int) -> None:
         add(name, (n,), _plus_one(src.get(hf, (n,))))
@@ -123,9 +120,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
         norm(f"{b}.ffn_norm.weight", f"{p}.pre_feedforward_layernorm.weight", d)
         norm(f"{b}.post_ffw_norm.weight", f"{p}.post_feedforward_layernorm.weight", d)
         ff = hp.n_ff
-        add(f"{b}.ffn_gate.weight", (ff, d), src.get(f"{p}.mlp.gate_proj.weight", (ff, d)))
-        add(f"{b}.ffn_up.weight", (ff, d), src.get(f"{p}.mlp.up_proj.weight", (ff, d)))
-        add(f"{b}.ffn_down.weight", (d, ff), src.get(f"{p}.mlp.down_proj.weight", (d, ff)))
+        dense_ffn(add, src.get, b, p, ff, d)
     norm("output_norm.weight", "model.norm.weight", d)
     output_head(src, st, hp, add)
     check_unused(src, st)
@@ -139,15 +134,7 @@ def metadata(hp: HParams, n_mtp: int) -> list[tuple[str, Any, str]]:
     def u32(key: str, v: int) -> None:
         m.append((f"{a}.{key}", int(v), "uint32"))
 
-    u32("block_count", hp.n_layer)
-    if hp.n_ctx is not None:
-        u32("context_length", hp.n_ctx)
-    u32("embedding_length", hp.n_embd)
-    u32("feed_forward_length", hp.n_ff)
-    u32("attention.head_count", hp.n_head)
-    u32("attention.head_count_kv", hp.n_head_kv)
-    u32("attention.key_length", hp.head_dim)
-    u32("attention.value_length", hp.head_dim)
+    m += attention_metadata(a, hp.n_layer, hp.n_ctx, hp.n_embd, hp.n_ff, hp.n_head, hp.n_head_kv, hp.head_dim)
     m.append((f"{a}.attention.layer_norm_rms_epsilon", float(hp.eps), "float32"))
     m.append((f"{a}.attention.scale", float(hp.attn_scale), "float32"))
     m.append((f"{a}.rope.freq_base", float(hp.rope_global.get("rope_theta", 1e6)), "float32"))

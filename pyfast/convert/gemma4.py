@@ -19,14 +19,14 @@ Conventions of the written file (what ``pyfast/models/gemma4.py`` reads):
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pyfast.convert.decoder import _keep_f32, check_unused, experts, output_head
-from pyfast.convert.qwen35 import Plan, PlannedTensor, _int, _Source
+from pyfast.convert.common import check_unused, dense_ffn, experts, tensor_adder
+from pyfast.convert.decoder import _keep_f32, output_head
+from pyfast.convert.qwen35 import Plan, _int, _Source
 from pyfast.convert.safetensors import SafetensorsDir
 
 ARCH_BY_MODEL_TYPE = {"gemma4_text": "gemma4"}
@@ -134,8 +134,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
     d, V, H, L, P = hp.n_embd, hp.n_vocab, hp.n_head, hp.n_layer, hp.n_per_layer
     out = Plan(hp, 0)
 
-    def add(name: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> None:
-        out.tensors.append(PlannedTensor(name, tuple(shape), _keep_f32(name, tuple(shape)), produce))
+    add = tensor_adder(out.tensors, _keep_f32)
 
     add("token_embd.weight", (V, d), src.get("model.embed_tokens.weight", (V, d)))
     if P:
@@ -163,9 +162,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
         add(f"{b}.post_attention_norm.weight", (d,), src.get(f"{p}.post_attention_layernorm.weight", (d,)))
         add(f"{b}.ffn_norm.weight", (d,), src.get(f"{p}.pre_feedforward_layernorm.weight", (d,)))
         add(f"{b}.post_ffw_norm.weight", (d,), src.get(f"{p}.post_feedforward_layernorm.weight", (d,)))
-        add(f"{b}.ffn_gate.weight", (ff, d), src.get(f"{p}.mlp.gate_proj.weight", (ff, d)))
-        add(f"{b}.ffn_up.weight", (ff, d), src.get(f"{p}.mlp.up_proj.weight", (ff, d)))
-        add(f"{b}.ffn_down.weight", (d, ff), src.get(f"{p}.mlp.down_proj.weight", (d, ff)))
+        dense_ffn(add, src.get, b, p, ff, d)
         add(f"{b}.layer_output_scale.weight", (1,), src.get(f"{p}.layer_scalar", (1,)))
         if hp.n_expert:
             E, F = hp.n_expert, hp.n_ff_exp

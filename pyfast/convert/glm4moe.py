@@ -14,16 +14,14 @@ Conventions of the written file (what ``pyfast/models/glm4moe.py`` reads):
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from pyfast.convert.decoder import (
-    _keep_f32, check_unused, experts, output_head, rope_hparams, rope_metadata,
+from pyfast.convert.common import (
+    attention_metadata, check_unused, dense_ffn, experts, nextn_tensors, routed_moe_ffn, tensor_adder,
 )
-from pyfast.convert.qwen35 import Plan, PlannedTensor, _int, _Source
+from pyfast.convert.decoder import _keep_f32, output_head, rope_hparams, rope_metadata
+from pyfast.convert.qwen35 import Plan, _int, _Source
 from pyfast.convert.safetensors import SafetensorsDir
 
 ARCH_BY_MODEL_TYPE = {"glm4_moe": "glm4moe"}
@@ -111,8 +109,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
             src.used.add(n)
     out = Plan(hp, n_mtp)
 
-    def add(name: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> None:
-        out.tensors.append(PlannedTensor(name, tuple(shape), _keep_f32(name, tuple(shape)), produce))
+    add = tensor_adder(out.tensors, _keep_f32)
 
     def layer(i: int) -> None:
         b, p = f"blk.{i}", f"model.layers.{i}"
@@ -128,36 +125,16 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
         add(f"{b}.post_attention_norm.weight", (d,), src.get(f"{p}.post_attention_layernorm.weight", (d,)))
         if i < hp.n_dense_lead:
             ff = hp.n_ff
-            add(f"{b}.ffn_gate.weight", (ff, d), src.get(f"{p}.mlp.gate_proj.weight", (ff, d)))
-            add(f"{b}.ffn_up.weight", (ff, d), src.get(f"{p}.mlp.up_proj.weight", (ff, d)))
-            add(f"{b}.ffn_down.weight", (d, ff), src.get(f"{p}.mlp.down_proj.weight", (d, ff)))
+            dense_ffn(add, src.get, b, p, ff, d)
             return
         E, ff = hp.n_expert, hp.n_ff_exp
-        gate, up, down = experts(src, f"{p}.mlp", E, ff, d)
-        add(f"{b}.ffn_gate_inp.weight", (E, d), src.get(f"{p}.mlp.gate.weight", (E, d)))
-        add(f"{b}.exp_probs_b.bias", (E,), src.get(f"{p}.mlp.gate.e_score_correction_bias", (E,)))
-        add(f"{b}.ffn_gate_exps.weight", (E, ff, d), gate)
-        add(f"{b}.ffn_up_exps.weight", (E, ff, d), up)
-        add(f"{b}.ffn_down_exps.weight", (E, d, ff), down)
-        if hp.n_shared:
-            fs = hp.n_shared * ff
-            add(f"{b}.ffn_gate_shexp.weight", (fs, d), src.get(f"{p}.mlp.shared_experts.gate_proj.weight", (fs, d)))
-            add(f"{b}.ffn_up_shexp.weight", (fs, d), src.get(f"{p}.mlp.shared_experts.up_proj.weight", (fs, d)))
-            add(f"{b}.ffn_down_shexp.weight", (d, fs), src.get(f"{p}.mlp.shared_experts.down_proj.weight", (d, fs)))
+        routed_moe_ffn(add, src.get, b, p, E, ff, d, hp.n_shared, experts(src, f"{p}.mlp", E, ff, d))
 
     add("token_embd.weight", (V, d), src.get("model.embed_tokens.weight", (V, d)))
     for i in range(hp.n_layer + n_mtp):
         layer(i)
     for i in range(hp.n_layer, hp.n_layer + n_mtp):
-        b, p = f"blk.{i}", f"model.layers.{i}"
-        add(f"{b}.nextn.eh_proj.weight", (d, 2 * d), src.get(f"{p}.eh_proj.weight", (d, 2 * d)))
-        add(f"{b}.nextn.enorm.weight", (d,), src.get(f"{p}.enorm.weight", (d,)))
-        add(f"{b}.nextn.hnorm.weight", (d,), src.get(f"{p}.hnorm.weight", (d,)))
-        add(f"{b}.nextn.shared_head_norm.weight", (d,), src.get(f"{p}.shared_head.norm.weight", (d,)))
-        if src.has(f"{p}.shared_head.head.weight"):
-            add(f"{b}.nextn.shared_head_head.weight", (V, d), src.get(f"{p}.shared_head.head.weight", (V, d)))
-        if src.has(f"{p}.embed_tokens.weight"):
-            add(f"{b}.nextn.embed_tokens.weight", (V, d), src.get(f"{p}.embed_tokens.weight", (V, d)))
+        nextn_tensors(add, src.get, src.has, f"blk.{i}", f"model.layers.{i}", d, V)
     add("output_norm.weight", (d,), src.get("model.norm.weight", (d,)))
     output_head(src, st, hp, add)
     check_unused(src, st)
@@ -171,15 +148,8 @@ def metadata(hp: HParams, n_mtp: int) -> list[tuple[str, Any, str]]:
     def u32(key: str, v: int) -> None:
         m.append((f"{a}.{key}", int(v), "uint32"))
 
-    u32("block_count", hp.n_layer + n_mtp)
-    if hp.n_ctx is not None:
-        u32("context_length", hp.n_ctx)
-    u32("embedding_length", hp.n_embd)
-    u32("feed_forward_length", hp.n_ff)
-    u32("attention.head_count", hp.n_head)
-    u32("attention.head_count_kv", hp.n_head_kv)
-    u32("attention.key_length", hp.head_dim)
-    u32("attention.value_length", hp.head_dim)
+    m += attention_metadata(a, hp.n_layer + n_mtp, hp.n_ctx, hp.n_embd, hp.n_ff, hp.n_head, hp.n_head_kv,
+                            hp.head_dim)
     u32("rope.dimension_count", hp.n_rot)
     if hp.rope_theta is not None:
         m.append((f"{a}.rope.freq_base", float(hp.rope_theta), "float32"))

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from pyfast.convert.common import PlannedTensor, check_unused, dense_ffn, experts, tensor_adder
 from pyfast.convert.safetensors import SafetensorsDir
 
 __all__ = ["ARCH_BY_HF_ARCH", "ARCH_BY_MODEL_TYPE", "HParams", "grouped_to_tiled", "plan"]
@@ -207,14 +208,6 @@ def hparams(arch: str, config: dict[str, Any]) -> HParams:
 # ---------------------------------------------------------------------------------------------
 
 @dataclass
-class PlannedTensor:
-    name: str
-    shape: tuple[int, ...]          # numpy order
-    keep_f32: bool                   # always written as F32 (norms, 1-D, router, conv, non-.weight)
-    produce: Callable[[], np.ndarray]
-
-
-@dataclass
 class Plan:
     hp: HParams
     n_mtp: int
@@ -303,10 +296,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
         src.used.update(n for n in src.names if n.startswith("mtp."))
 
     out = Plan(hp, n_mtp)
-    T = out.tensors
-
-    def add(name: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> None:
-        T.append(PlannedTensor(name, tuple(shape), _keep_f32(name, tuple(shape)), produce))
+    add = tensor_adder(out.tensors, _keep_f32)
 
     def norm(gname: str, hname: str, n: int) -> None:
         add(gname, (n,), _plus_one(src.get(hname, (n,))))
@@ -358,30 +348,13 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
         add(f"{b}.ssm_norm.weight", (S,), src.get(f"{a}.norm.weight", (S,)))
         add(f"{b}.ssm_out.weight", (d, hp.value_dim), vre(src.get(f"{a}.out_proj.weight", (d, hp.value_dim)), 1, S))
 
-    def experts(p: str) -> tuple[Callable, Callable, Callable]:
-        E, ff = hp.n_expert, hp.n_ff_exp
-        fused = f"{p}.mlp.experts.gate_up_proj"
-        fused = fused if src.has(fused) else (fused + ".weight" if src.has(fused + ".weight") else None)
-        if fused is not None:
-            gu = src.get(fused, (E, 2 * ff, d))
-            down_name = f"{p}.mlp.experts.down_proj"
-            down = src.get(down_name if src.has(down_name) else down_name + ".weight", (E, d, ff))
-            return (_map(gu, lambda w: w[:, :ff]), _map(gu, lambda w: w[:, ff:]), down)
-        parts = []
-        for w, shape in (("gate_proj", (ff, d)), ("up_proj", (ff, d)), ("down_proj", (d, ff))):
-            fs = [src.get(f"{p}.mlp.experts.{e}.{w}.weight", shape) for e in range(E)]
-            parts.append(lambda fs=fs: np.stack([f() for f in fs]))
-        return tuple(parts)
-
     def ffn(b: str, p: str) -> None:
         if not hp.moe:
             ff = hp.n_ff
-            add(f"{b}.ffn_gate.weight", (ff, d), src.get(f"{p}.mlp.gate_proj.weight", (ff, d)))
-            add(f"{b}.ffn_up.weight", (ff, d), src.get(f"{p}.mlp.up_proj.weight", (ff, d)))
-            add(f"{b}.ffn_down.weight", (d, ff), src.get(f"{p}.mlp.down_proj.weight", (d, ff)))
+            dense_ffn(add, src.get, b, p, ff, d)
             return
         E, ff, fs = hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
-        gate, up, down = experts(p)
+        gate, up, down = experts(src, f"{p}.mlp", E, ff, d)
         add(f"{b}.ffn_gate_inp.weight", (E, d), src.get(f"{p}.mlp.gate.weight", (E, d)))
         add(f"{b}.ffn_gate_exps.weight", (E, ff, d), gate)
         add(f"{b}.ffn_up_exps.weight", (E, ff, d), up)
@@ -418,10 +391,7 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
     elif not hp.tied:
         raise ValueError(f"{st.dir}: missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
 
-    unused = sorted(src.names[n] for n in src.names if n not in src.used)
-    if unused:
-        more = f" (and {len(unused) - 8} more)" if len(unused) > 8 else ""
-        raise ValueError(f"{st.dir}: unexpected tensor(s) in the checkpoint: {', '.join(unused[:8])}{more}")
+    check_unused(src, st)
     return out
 
 
