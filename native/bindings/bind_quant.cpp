@@ -103,7 +103,8 @@ void bind_quant(py::module_& m) {
               pack_x16(t, rows.data(), p + c * cb, 16, ncols);
             }
           };
-          const int nth = n >= (size_t(8) << 20) ? (int)std::max(1u, std::min(8u, std::thread::hardware_concurrency())) : 1;
+          const unsigned cores = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+          const int nth = n >= (size_t(8) << 20) ? (int)cores : 1;
           std::vector<std::thread> th;
           for (int i = 1; i < nth; ++i) th.emplace_back(pack_range, n_chunks * i / nth, n_chunks * (i + 1) / nth);
           pack_range(0, n_chunks / nth);

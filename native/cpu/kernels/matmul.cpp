@@ -170,7 +170,8 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
   // Items in steps of about 1/16 of a share: with a barrier-free kernel (few rows) a share that
   // finishes early takes the rest of a slower one (WorkRanges); otherwise the static split.
   const int64_t n_items = n_nc * n_mc;
-  WorkRanges wr(p.ith, p.nth, L.act_per_thread ? p.ranges : nullptr, n_items, n_items / ((int64_t)p.nth * 16) + 1);
+  const int64_t step = n_items / ((int64_t)p.nth * 16) + 1;
+  WorkRanges wr(p.ith, p.nth, L.act_per_thread ? p.ranges : nullptr, n_items, step);
   int64_t it0, it1;
   while (wr.next(it0, it1)) {
     int wi = 0;
