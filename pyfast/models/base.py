@@ -434,3 +434,89 @@ class GraphBuilder:
 
 def attn_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# --- pieces the architecture files share -------------------------------------------------------
+def f32_weight(b: GraphBuilder, name: str):
+    """A small weight (norm, bias) as f32 for elementwise ops."""
+    w = b.weight(name)
+    return w if w.dtype == DType.F32 else b.g.cpy(w, DType.F32)
+
+
+def norm_f32(b: GraphBuilder, x, name: str, eps: float):
+    """rms_norm(x) * weight, the weight made f32 first (``f32_weight``)."""
+    return b.g.mul(b.g.rms_norm(x, eps), f32_weight(b, name))
+
+
+def head_name(args) -> str:
+    """The output projection: ``output.weight``, or the token embedding when the file ties them."""
+    return "token_embd.weight" if args.tied else "output.weight"
+
+
+def outer_tensors(args) -> list[TensorSpec]:
+    """The tensors outside the layers: token embedding, final norm, output head (optional: tied)."""
+    d = args.n_embd
+    return [TensorSpec("token_embd.weight", (args.n_vocab, d)),
+            TensorSpec("output_norm.weight", (d,)),
+            TensorSpec("output.weight", (args.n_vocab, d), optional=True)]
+
+
+def output_logits(b: GraphBuilder, args, x, norm=None):
+    """The final norm (norm(x, name, eps); b.norm by default) of the last layer's output x, the
+    graph output "hidden" [T, d] of every row when b.export_hidden, then the head on the rows in
+    b.out_ids: logits [n_out, n_vocab]. x is [T, d], or already [n_out, d] when not exporting."""
+    x = (norm or b.norm)(x, "output_norm.weight", args.eps)
+    if b.export_hidden:
+        b.g.output(x, "hidden")                                            # [T, d]
+        x = b.select_outputs(x)
+    return b.linear(x, head_name(args))
+
+
+def read_blocks(m, arch: str, weights, path: str = "") -> tuple[int, int, int]:
+    """(n_all, n_layer, n_nextn) from ``{arch}.block_count`` and ``{arch}.nextn_predict_layers``
+    (m: a meta.Meta): the last n_nextn of the n_all blocks are MTP blocks, the first n_layer the
+    trunk. The trunk's layers must all be in the file; MTP blocks past them may be left out."""
+    from pyfast.models import meta as M
+
+    n_all = m.int(f"{arch}.block_count", lo=1, hi=M.MAX_LAYERS)
+    n_nextn = m.int(f"{arch}.nextn_predict_layers", 0, lo=0, hi=n_all - 1)
+    n_layer = n_all - n_nextn
+    M.check_blocks(path, f"{arch}.block_count", n_all, weights, lo=n_layer)
+    return n_all, n_layer, n_nextn
+
+
+def nextn_tensors(args, j: int, layer_tensors) -> list[TensorSpec]:
+    """The tensors of MTP (nextn) block j, block index n_layer + j: layer_tensors(il) (its decoder
+    layer) plus the nextn projection and norms (own embedding, head norm and head are optional)."""
+    d, il = args.n_embd, args.n_layer + j
+    p = f"blk.{il}"
+    return layer_tensors(il) + [
+        TensorSpec(f"{p}.nextn.eh_proj.weight", (d, 2 * d)),
+        TensorSpec(f"{p}.nextn.enorm.weight", (d,)),
+        TensorSpec(f"{p}.nextn.hnorm.weight", (d,)),
+        TensorSpec(f"{p}.nextn.shared_head_norm.weight", (d,), optional=True),
+        TensorSpec(f"{p}.nextn.embed_tokens.weight", (args.n_vocab, d), optional=True),
+        TensorSpec(f"{p}.nextn.shared_head_head.weight", (args.n_vocab, d), optional=True),
+    ]
+
+
+def build_nextn(b: GraphBuilder, args, j: int, layer, norm=None):
+    """MTP (nextn) block j as a graph (``algorithms.md`` §1.1): row t takes (token_t, h_t) with h_t
+    from the graph input "h" [T, d]; x = eh_proj([enorm(embed(token)) ; hnorm(h)]), then
+    layer(x, p, il) (the block's decoder layer, prefix p = blk.{il}, il = n_layer + j; its
+    attention uses KV layer 0 of b.kv, the block's own one-layer cache). Outputs "hidden" [T, d],
+    the block's post-norm output (the next carry), and returns logits [n_out, n_vocab] for
+    b.out_ids. norm(x, name, eps) is b.norm by default."""
+    g, norm = b.g, norm or b.norm
+    d, il = args.n_embd, args.n_layer + j
+    p = f"blk.{il}"
+    h = g.input("h", DType.F32, [b.shape.n_tokens, d])
+    emb = f"{p}.nextn.embed_tokens.weight" if b.has(f"{p}.nextn.embed_tokens.weight") else "token_embd.weight"
+    eh = g.concat(norm(b.embed(emb), f"{p}.nextn.enorm.weight", args.eps),
+                  norm(h, f"{p}.nextn.hnorm.weight", args.eps), -1)
+    x = layer(b.linear(eh, f"{p}.nextn.eh_proj.weight"), p, il)          # [embedding ; hidden] -> d
+    hn = f"{p}.nextn.shared_head_norm.weight"
+    y = norm(x, hn if b.has(hn) else "output_norm.weight", args.eps)
+    g.output(y, "hidden")
+    head = f"{p}.nextn.shared_head_head.weight"
+    return b.linear(b.select_outputs(y), head if b.has(head) else head_name(args))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pyfast._loader import native
+from pyfast.models import base
 from pyfast.models.base import GraphBuilder, TensorSpec
 from pyfast.models.rope import Rope, read_rope
 
@@ -172,11 +172,7 @@ def dense_ffn_tensors(d: int, ff: int, p: str) -> list[TensorSpec]:
 
 def tensors(args: Args) -> list[TensorSpec]:
     d = args.n_embd
-    specs = [
-        TensorSpec("token_embd.weight", (args.n_vocab, d)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (args.n_vocab, d), optional=True),
-    ]
+    specs = base.outer_tensors(args)
     for i in range(args.n_layer):
         p = f"blk.{i}"
         specs += [TensorSpec(f"{p}.attn_norm.weight", (d,)), TensorSpec(f"{p}.ffn_norm.weight", (d,))]
@@ -202,10 +198,7 @@ def attention(b: GraphBuilder, args, p: str, h, il: int, rope: Rope | None = Non
     return b.linear(o, f"{p}.attn_output.weight")
 
 
-def f32_weight(b: GraphBuilder, name: str):
-    """A small weight (norm, bias) as f32 for elementwise ops."""
-    w = b.weight(name)
-    return w if w.dtype == native.DType.F32 else b.g.cpy(w, native.DType.F32)
+f32_weight = base.f32_weight     # a small weight (norm, bias) as f32 for elementwise ops
 
 
 def ffn(b: GraphBuilder, args, p: str, h):
@@ -225,8 +218,4 @@ def build(b: GraphBuilder, args: Args):
         if i == args.n_layer - 1 and not b.export_hidden:
             x = b.select_outputs(x)                                    # [n_out, d]
         x = b.control(g.add(x, ffn(b, args, p, b.norm(x, f"{p}.ffn_norm.weight", args.eps))), i)
-    x = b.norm(x, "output_norm.weight", args.eps)
-    if b.export_hidden:
-        g.output(x, "hidden")                                          # [T, d]
-        x = b.select_outputs(x)
-    return b.linear(x, "token_embd.weight" if args.tied else "output.weight")   # [n_out, n_vocab]
+    return base.output_logits(b, args, x)                              # [n_out, n_vocab]

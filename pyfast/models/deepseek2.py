@@ -35,11 +35,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
 from pyfast._loader import native
-from pyfast.models import moe
+from pyfast.models import base, moe
 from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
 from pyfast.models.rope import Rope, read_rope
 
@@ -118,10 +119,7 @@ class Args:
             return f"{arch}.{k}"
 
         n_embd = m.int(key("embedding_length"), lo=1, hi=M.MAX_EMBD)
-        n_all = m.int(key("block_count"), lo=1, hi=M.MAX_LAYERS)
-        n_nextn = m.int(key("nextn_predict_layers"), 0, lo=0, hi=n_all - 1)
-        n_layer = n_all - n_nextn
-        M.check_blocks(path, key("block_count"), n_all, weights, lo=n_layer)
+        n_all, n_layer, n_nextn = base.read_blocks(m, arch, weights, path)
         n_head = m.int(key("attention.head_count"), lo=1, hi=M.MAX_HEADS)
         kv_lora = m.int(key("attention.kv_lora_rank"), lo=1, hi=M.MAX_HEAD_DIM)
         q_lora = m.int(key("attention.q_lora_rank"), 0, lo=0, hi=M.MAX_EMBD)
@@ -230,24 +228,15 @@ def layer_tensors(args: Args, il: int) -> list[TensorSpec]:
 
 
 def tensors(args: Args) -> list[TensorSpec]:
-    d = args.n_embd
-    specs = [TensorSpec("token_embd.weight", (args.n_vocab, d)),
-             TensorSpec("output_norm.weight", (d,)),
-             TensorSpec("output.weight", (args.n_vocab, d), optional=True)]
+    specs = base.outer_tensors(args)
     for i in range(args.n_layer):
         specs += layer_tensors(args, i)
     return specs
 
 
 # --- layers ------------------------------------------------------------------------------------
-def weight_f32(b: GraphBuilder, name: str):
-    """A small weight (norms, biases) as f32 for elementwise ops."""
-    w = b.weight(name)
-    return w if w.dtype == native.DType.F32 else b.g.cpy(w, native.DType.F32)
-
-
-def norm(b: GraphBuilder, x, name: str, eps: float):
-    return b.g.mul(b.g.rms_norm(x, eps), weight_f32(b, name))
+weight_f32 = base.f32_weight     # a small weight (norms, biases) as f32 for elementwise ops
+norm = base.norm_f32             # rms_norm(x) * f32 weight
 
 
 def head_ids(b: GraphBuilder, T: int, H: int):
@@ -369,26 +358,13 @@ def build(b: GraphBuilder, args: Args, attn=None):
         if i == args.n_layer - 1 and not b.export_hidden:
             x = b.select_outputs(x)                                        # [n_out, d]
         x = b.control(g.add(x, ffn(b, args, i, p, norm(b, x, f"{p}.ffn_norm.weight", args.eps))), i)
-    x = norm(b, x, "output_norm.weight", args.eps)
-    if b.export_hidden:
-        g.output(x, "hidden")                                              # [T, d]
-        x = b.select_outputs(x)
-    return b.linear(x, "token_embd.weight" if args.tied else "output.weight")
+    return base.output_logits(b, args, x, partial(norm, b))
 
 
 # --- MTP (nextn) block -------------------------------------------------------------------------
 def nextn_tensors(args: Args, j: int = 0) -> list[TensorSpec]:
     """The tensors of MTP block j (block n_layer + j): one decoder layer plus the nextn parts."""
-    d, il = args.n_embd, args.n_layer + j
-    p = f"blk.{il}"
-    return layer_tensors(args, il) + [
-        TensorSpec(f"{p}.nextn.eh_proj.weight", (d, 2 * d)),
-        TensorSpec(f"{p}.nextn.enorm.weight", (d,)),
-        TensorSpec(f"{p}.nextn.hnorm.weight", (d,)),
-        TensorSpec(f"{p}.nextn.shared_head_norm.weight", (d,), optional=True),
-        TensorSpec(f"{p}.nextn.embed_tokens.weight", (args.n_vocab, d), optional=True),
-        TensorSpec(f"{p}.nextn.shared_head_head.weight", (args.n_vocab, d), optional=True),
-    ]
+    return base.nextn_tensors(args, j, lambda il: layer_tensors(args, il))
 
 
 def build_nextn(b: GraphBuilder, args: Args, j: int = 0):
@@ -396,21 +372,7 @@ def build_nextn(b: GraphBuilder, args: Args, j: int = 0):
     the graph input "h" [T, d]; returns logits [n_out, n_vocab] and outputs "hidden" [T, d] (the
     block's post-norm output, the next carry). Its attention is dense MLA (never the DSA mask)
     over KV layer 0 of b.kv (the block's own one-layer cache)."""
-    g = b.g
-    d, il = args.n_embd, args.n_layer + j
-    p = f"blk.{il}"
-    T = b.shape.n_tokens
-    h = g.input("h", native.DType.F32, [T, d])
-    emb = f"{p}.nextn.embed_tokens.weight" if b.has(f"{p}.nextn.embed_tokens.weight") else "token_embd.weight"
-    eh = g.concat(norm(b, b.embed(emb), f"{p}.nextn.enorm.weight", args.eps),
-                  norm(b, h, f"{p}.nextn.hnorm.weight", args.eps), -1)
-    x = b.linear(eh, f"{p}.nextn.eh_proj.weight")                          # [embedding ; hidden] -> d
-    x = g.add(x, attn_layer(b, args, p, norm(b, x, f"{p}.attn_norm.weight", args.eps), 0))
-    x = g.add(x, ffn(b, args, il, p, norm(b, x, f"{p}.ffn_norm.weight", args.eps)))
-    hn = f"{p}.nextn.shared_head_norm.weight"
-    y = norm(b, x, hn if b.has(hn) else "output_norm.weight", args.eps)
-    g.output(y, "hidden")
-    head = f"{p}.nextn.shared_head_head.weight"
-    if not b.has(head):
-        head = "token_embd.weight" if args.tied else "output.weight"
-    return b.linear(b.select_outputs(y), head)
+    def layer(x, p, il):
+        x = b.g.add(x, attn_layer(b, args, p, norm(b, x, f"{p}.attn_norm.weight", args.eps), 0))
+        return b.g.add(x, ffn(b, args, il, p, norm(b, x, f"{p}.ffn_norm.weight", args.eps)))
+    return base.build_nextn(b, args, j, layer, partial(norm, b))

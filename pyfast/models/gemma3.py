@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from pyfast._loader import native
-from pyfast.models import decoder
+from pyfast.models import base, decoder
 from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
 
@@ -118,11 +118,7 @@ def kv_slot(b: GraphBuilder, args, i: int, layers: tuple[int, ...]) -> tuple[int
 
 def tensors(args: Args) -> list[TensorSpec]:
     d = args.n_embd
-    specs = [
-        TensorSpec("token_embd.weight", (args.n_vocab, d)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (args.n_vocab, d), optional=True),
-    ]
+    specs = base.outer_tensors(args)
     for i in range(args.n_layer):
         p = f"blk.{i}"
         specs += [TensorSpec(f"{p}.{n}.weight", (d,)) for n in ("attn_norm", "post_attention_norm", "ffn_norm",
@@ -181,9 +177,5 @@ def build(b: GraphBuilder, args: Args):
             x = b.select_outputs(x)
         h = geglu_ffn(b, p, b.norm(x, f"{p}.ffn_norm.weight", args.eps))
         x = b.control(g.add(x, b.norm(h, f"{p}.post_ffw_norm.weight", args.eps)), i)
-    x = b.norm(x, "output_norm.weight", args.eps)
-    if b.export_hidden:
-        g.output(x, "hidden")
-        x = b.select_outputs(x)
-    logits = b.linear(x, "token_embd.weight" if args.tied else "output.weight")
+    logits = base.output_logits(b, args, x)
     return softcap(b, logits, args.final_softcap) if args.final_softcap else logits

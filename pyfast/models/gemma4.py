@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyfast._loader import native
+from pyfast.models import base
 from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
 from pyfast.models.gemma3 import kv_slot, softcap, swa_mask
 from pyfast.models.rope import ROPE_NEOX, Rope
@@ -171,11 +172,7 @@ def memory(args: Args) -> MemorySpec:
 
 def tensors(args: Args) -> list[TensorSpec]:
     d, P, L = args.n_embd, args.n_embd_per_layer, args.n_layer
-    specs = [
-        TensorSpec("token_embd.weight", (args.n_vocab, d)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (args.n_vocab, d), optional=True),
-    ]
+    specs = base.outer_tensors(args)
     if P:
         specs += [TensorSpec("per_layer_token_embd.weight", (args.n_vocab, L * P)),
                   TensorSpec("per_layer_model_proj.weight", (L * P, d)),

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pyfast._loader import native
-from pyfast.models import decoder
+from pyfast.models import base, decoder
 from pyfast.models.base import GraphBuilder, TensorSpec
 from pyfast.models.moe import routed_experts, select_experts
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
@@ -67,10 +66,7 @@ class Args:
         m = M.Meta(md, path, types)
         a = ARCH
         n_embd = m.int(f"{a}.embedding_length", lo=1, hi=M.MAX_EMBD)
-        n_all = m.int(f"{a}.block_count", lo=1, hi=M.MAX_LAYERS)
-        n_nextn = m.int(f"{a}.nextn_predict_layers", 0, lo=0, hi=n_all - 1)
-        n_layer = n_all - n_nextn
-        M.check_blocks(path, f"{a}.block_count", n_all, weights, lo=n_layer)
+        _, n_layer, n_nextn = base.read_blocks(m, a, weights, path)
         n_head, n_head_kv, head_dim = decoder.attention_dims(m, a, n_embd, path)
         n_rot = m.int(f"{a}.rope.dimension_count", head_dim, lo=2, hi=head_dim)
         if n_rot % 2:
@@ -111,12 +107,7 @@ def layer_tensors(args: Args, i: int) -> list[TensorSpec]:
 
 
 def tensors(args: Args) -> list[TensorSpec]:
-    d = args.n_embd
-    specs = [
-        TensorSpec("token_embd.weight", (args.n_vocab, d)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (args.n_vocab, d), optional=True),
-    ]
+    specs = base.outer_tensors(args)
     for i in range(args.n_layer):
         specs += layer_tensors(args, i)
     return specs
@@ -150,47 +141,19 @@ def layer(b: GraphBuilder, args: Args, i: int, x, il_kv: int, last: bool = False
 def build(b: GraphBuilder, args: Args):
     """Returns logits [n_out, n_vocab] for b.out_ids (and outputs "hidden" [T, d], the
     post-final-norm hidden of every row, when b.export_hidden)."""
-    g = b.g
     x = b.embed("token_embd.weight")                                     # [T, d]
     for i in range(args.n_layer):
         x = b.control(layer(b, args, i, x, i, last=i == args.n_layer - 1 and not b.export_hidden), i)
-    x = b.norm(x, "output_norm.weight", args.eps)
-    if b.export_hidden:
-        g.output(x, "hidden")
-        x = b.select_outputs(x)
-    return b.linear(x, "token_embd.weight" if args.tied else "output.weight")
+    return base.output_logits(b, args, x)
 
 
 # --- MTP (nextn) block -------------------------------------------------------------------------
 def nextn_tensors(args: Args, j: int = 0) -> list[TensorSpec]:
-    d, il = args.n_embd, args.n_layer + j
-    p = f"blk.{il}"
-    return layer_tensors(args, il) + [
-        TensorSpec(f"{p}.nextn.eh_proj.weight", (d, 2 * d)),
-        TensorSpec(f"{p}.nextn.enorm.weight", (d,)),
-        TensorSpec(f"{p}.nextn.hnorm.weight", (d,)),
-        TensorSpec(f"{p}.nextn.shared_head_norm.weight", (d,), optional=True),
-        TensorSpec(f"{p}.nextn.embed_tokens.weight", (args.n_vocab, d), optional=True),
-        TensorSpec(f"{p}.nextn.shared_head_head.weight", (args.n_vocab, d), optional=True),
-    ]
+    return base.nextn_tensors(args, j, lambda il: layer_tensors(args, il))
 
 
 def build_nextn(b: GraphBuilder, args: Args, j: int = 0):
     """MTP block j as a graph: row t takes (token_t, h_t) with h_t from the graph input "h" [T, d]
     and returns logits [n_out, n_vocab] for b.out_ids; it outputs "hidden" [T, d], the block's
     post-norm output (the next carry). Its attention uses KV layer 0 of b.kv."""
-    g = b.g
-    d, il = args.n_embd, args.n_layer + j
-    p = f"blk.{il}"
-    h = g.input("h", native.DType.F32, [b.shape.n_tokens, d])
-    emb = f"{p}.nextn.embed_tokens.weight" if b.has(f"{p}.nextn.embed_tokens.weight") else "token_embd.weight"
-    eh = g.concat(b.norm(b.embed(emb), f"{p}.nextn.enorm.weight", args.eps),
-                  b.norm(h, f"{p}.nextn.hnorm.weight", args.eps), -1)
-    x = layer(b, args, il, b.linear(eh, f"{p}.nextn.eh_proj.weight"), 0)
-    hn = f"{p}.nextn.shared_head_norm.weight"
-    y = b.norm(x, hn if b.has(hn) else "output_norm.weight", args.eps)
-    g.output(y, "hidden")
-    head = f"{p}.nextn.shared_head_head.weight"
-    if not b.has(head):
-        head = "token_embd.weight" if args.tied else "output.weight"
-    return b.linear(b.select_outputs(y), head)
+    return base.build_nextn(b, args, j, lambda x, p, il: layer(b, args, il, x, 0))

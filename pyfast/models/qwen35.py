@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 from pyfast._loader import native
+from pyfast.models import base
 from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
 
 ARCH = "qwen35"
@@ -114,11 +116,7 @@ class Args:
         n_head_kv = m.int(key("attention.head_count_kv"), n_head, lo=1, hi=n_head)
         if n_head % n_head_kv:
             raise m.fail(key("attention.head_count_kv"), n_head_kv, f"a divisor of attention.head_count ({n_head})")
-        n_all = m.int(key("block_count"), lo=1, hi=M.MAX_LAYERS)
-        n_nextn = m.int(key("nextn_predict_layers"), 0, lo=0, hi=n_all - 1)
-        n_layer = n_all - n_nextn
-        # the trunk's layers must all be there; MTP blocks past them may be left out
-        M.check_blocks(path, key("block_count"), n_all, weights, lo=n_layer)
+        _, n_layer, n_nextn = base.read_blocks(m, arch, weights, path)
         if m.has(key("attention.recurrent_layers")):
             rl = m.bool_list(key("attention.recurrent_layers"))
             if len(rl) < n_layer:
@@ -241,26 +239,15 @@ def layer_tensors(args: Args, i: int, recurrent: bool) -> list[TensorSpec]:
 
 
 def tensors(args: Args) -> list[TensorSpec]:
-    d = args.n_embd
-    specs = [
-        TensorSpec("token_embd.weight", (args.n_vocab, d)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (args.n_vocab, d), optional=True),
-    ]
+    specs = base.outer_tensors(args)
     for i in range(args.n_layer):
         specs += layer_tensors(args, i, args.recurrent[i])
     return specs
 
 
 # --- layers ------------------------------------------------------------------------------------
-def weight_f32(b: GraphBuilder, name: str):
-    """A small weight (norms, biases, ssm_a, conv) as f32 for elementwise ops."""
-    w = b.weight(name)
-    return w if w.dtype == native.DType.F32 else b.g.cpy(w, native.DType.F32)
-
-
-def norm(b: GraphBuilder, x, name: str, eps: float):
-    return b.g.mul(b.g.rms_norm(x, eps), weight_f32(b, name))
+weight_f32 = base.f32_weight     # a small weight (norms, biases, ssm_a, conv) as f32 for elementwise ops
+norm = base.norm_f32             # rms_norm(x) * f32 weight
 
 
 def conv_taps(b: GraphBuilder, name: str):
@@ -357,27 +344,14 @@ def build(b: GraphBuilder, args: Args):
             x = b.select_outputs(x)                                        # [n_out, d]
         h = norm(b, x, f"{p}.post_attention_norm.weight", args.eps)
         x = b.control(g.add(x, ffn(b, args, p, h)), i)
-    x = norm(b, x, "output_norm.weight", args.eps)
-    if b.export_hidden:
-        g.output(x, "hidden")                                              # [T, d]
-        x = b.select_outputs(x)
-    return b.linear(x, "token_embd.weight" if args.tied else "output.weight")
+    return base.output_logits(b, args, x, partial(norm, b))
 
 
 # --- MTP (nextn) block -------------------------------------------------------------------------
 def nextn_tensors(args: Args, j: int = 0) -> list[TensorSpec]:
     """The tensors of MTP block j (block index n_layer + j): a full-attention layer plus the
     nextn projections and norms (own embedding / head / head norm are optional)."""
-    d, il = args.n_embd, args.n_layer + j
-    p = f"blk.{il}"
-    return layer_tensors(args, il, recurrent=False) + [
-        TensorSpec(f"{p}.nextn.eh_proj.weight", (d, 2 * d)),
-        TensorSpec(f"{p}.nextn.enorm.weight", (d,)),
-        TensorSpec(f"{p}.nextn.hnorm.weight", (d,)),
-        TensorSpec(f"{p}.nextn.shared_head_norm.weight", (d,), optional=True),
-        TensorSpec(f"{p}.nextn.embed_tokens.weight", (args.n_vocab, d), optional=True),
-        TensorSpec(f"{p}.nextn.shared_head_head.weight", (args.n_vocab, d), optional=True),
-    ]
+    return base.nextn_tensors(args, j, lambda il: layer_tensors(args, il, recurrent=False))
 
 
 def build_nextn(b: GraphBuilder, args: Args, j: int = 0):
@@ -386,21 +360,7 @@ def build_nextn(b: GraphBuilder, args: Args, j: int = 0):
     carry) and returns logits [n_out, n_vocab] for b.out_ids; it also outputs "hidden" [T, d],
     the block's post-norm output (the next carry). Its attention uses KV layer 0 of b.kv (give
     the block its own one-layer KVCache). ``algorithms.md`` §1.1."""
-    g = b.g
-    d, il = args.n_embd, args.n_layer + j
-    p = f"blk.{il}"
-    T = b.shape.n_tokens
-    h = g.input("h", native.DType.F32, [T, d])
-    emb = f"{p}.nextn.embed_tokens.weight" if b.has(f"{p}.nextn.embed_tokens.weight") else "token_embd.weight"
-    e = b.embed(emb)
-    eh = g.concat(norm(b, e, f"{p}.nextn.enorm.weight", args.eps), norm(b, h, f"{p}.nextn.hnorm.weight", args.eps), -1)
-    x = b.linear(eh, f"{p}.nextn.eh_proj.weight")                           # [embedding ; hidden] -> d
-    x = g.add(x, attn_layer(b, args, p, norm(b, x, f"{p}.attn_norm.weight", args.eps), 0))
-    x = g.add(x, ffn(b, args, p, norm(b, x, f"{p}.post_attention_norm.weight", args.eps)))
-    hn = f"{p}.nextn.shared_head_norm.weight"
-    y = norm(b, x, hn if b.has(hn) else "output_norm.weight", args.eps)
-    g.output(y, "hidden")
-    head = f"{p}.nextn.shared_head_head.weight"
-    if not b.has(head):
-        head = "token_embd.weight" if args.tied else "output.weight"
-    return b.linear(b.select_outputs(y), head)
+    def layer(x, p, il):
+        x = b.g.add(x, attn_layer(b, args, p, norm(b, x, f"{p}.attn_norm.weight", args.eps), 0))
+        return b.g.add(x, ffn(b, args, p, norm(b, x, f"{p}.post_attention_norm.weight", args.eps)))
+    return base.build_nextn(b, args, j, layer, partial(norm, b))
