@@ -319,11 +319,12 @@ class GraphBuilder:
             y = self.g.add(y, self.weight(bias))
         return y
 
-    def ffn_swiglu(self, x, prefix: str):
+    def ffn_swiglu(self, x, prefix: str, suffix: str = ""):
+        """SwiGLU FFN of ffn_{gate,up,down}{suffix} (suffix "_shexp": the shared experts)."""
         g = self.g
-        gate = self.linear(x, f"{prefix}.ffn_gate.weight")
-        up = self.linear(x, f"{prefix}.ffn_up.weight")
-        return self.linear(g.swiglu(gate, up), f"{prefix}.ffn_down.weight")
+        gate = self.linear(x, f"{prefix}.ffn_gate{suffix}.weight")
+        up = self.linear(x, f"{prefix}.ffn_up{suffix}.weight")
+        return self.linear(g.swiglu(gate, up), f"{prefix}.ffn_down{suffix}.weight")
 
     def kv_attention(self, il: int, q, k, v, scale: float, mask=None):
         """Write k/v of this batch into layer il's cache and attend over the visible cells.

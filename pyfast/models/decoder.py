@@ -165,9 +165,10 @@ def expert_tensors(args, p: str) -> list[TensorSpec]:
     return specs
 
 
-def dense_ffn_tensors(d: int, ff: int, p: str) -> list[TensorSpec]:
-    return [TensorSpec(f"{p}.ffn_gate.weight", (ff, d)), TensorSpec(f"{p}.ffn_up.weight", (ff, d)),
-            TensorSpec(f"{p}.ffn_down.weight", (d, ff))]
+def dense_ffn_tensors(d: int, ff: int, p: str, suffix: str = "") -> list[TensorSpec]:
+    """A SwiGLU FFN's ffn_{gate,up,down}{suffix} (suffix "_shexp": the shared experts)."""
+    return [TensorSpec(f"{p}.ffn_gate{suffix}.weight", (ff, d)), TensorSpec(f"{p}.ffn_up{suffix}.weight", (ff, d)),
+            TensorSpec(f"{p}.ffn_down{suffix}.weight", (d, ff))]
 
 
 def tensors(args: Args) -> list[TensorSpec]:

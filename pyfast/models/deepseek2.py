@@ -40,7 +40,7 @@ from functools import partial
 import numpy as np
 
 from pyfast._loader import native
-from pyfast.models import base, moe
+from pyfast.models import base, decoder, moe
 from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
 from pyfast.models.rope import Rope, read_rope
 
@@ -209,9 +209,7 @@ def layer_tensors(args: Args, il: int) -> list[TensorSpec]:
         specs += [TensorSpec(f"{p}.attn_k_b.weight", (H, args.kv_lora, args.qk_nope)),
                   TensorSpec(f"{p}.attn_v_b.weight", (H, args.v_head_dim, args.kv_lora))]
     if il < args.n_dense_lead or not args.n_expert:
-        specs += [TensorSpec(f"{p}.ffn_gate.weight", (args.n_ff, d)),
-                  TensorSpec(f"{p}.ffn_up.weight", (args.n_ff, d)),
-                  TensorSpec(f"{p}.ffn_down.weight", (d, args.n_ff))]
+        specs += decoder.dense_ffn_tensors(d, args.n_ff, p)
     else:
         E, F = args.n_expert, args.n_ff_exp
         specs += [TensorSpec(f"{p}.ffn_gate_inp.weight", (E, d)),
@@ -220,10 +218,7 @@ def layer_tensors(args: Args, il: int) -> list[TensorSpec]:
                   TensorSpec(f"{p}.ffn_up_exps.weight", (E, F, d)),
                   TensorSpec(f"{p}.ffn_down_exps.weight", (E, d, F))]
         if args.n_expert_shared:
-            Fs = F * args.n_expert_shared
-            specs += [TensorSpec(f"{p}.ffn_gate_shexp.weight", (Fs, d)),
-                      TensorSpec(f"{p}.ffn_up_shexp.weight", (Fs, d)),
-                      TensorSpec(f"{p}.ffn_down_shexp.weight", (d, Fs))]
+            specs += decoder.dense_ffn_tensors(d, F * args.n_expert_shared, p, "_shexp")
     return specs
 
 
@@ -339,9 +334,7 @@ def ffn(b: GraphBuilder, args: Args, il: int, p: str, h):
                                 args.n_group_used, args.weights_norm, args.weights_scale)
     out = moe.routed_experts(b, h, p, ids, w)
     if args.n_expert_shared:
-        sh = b.linear(g.swiglu(b.linear(h, f"{p}.ffn_gate_shexp.weight"), b.linear(h, f"{p}.ffn_up_shexp.weight")),
-                      f"{p}.ffn_down_shexp.weight")
-        out = g.add(out, sh)
+        out = g.add(out, b.ffn_swiglu(h, p, "_shexp"))
     return out
 
 

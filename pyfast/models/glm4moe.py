@@ -100,9 +100,7 @@ def layer_tensors(args: Args, i: int) -> list[TensorSpec]:
     specs += decoder.expert_tensors(args, p)
     specs.append(TensorSpec(f"{p}.exp_probs_b.bias", (args.n_expert,)))
     if args.n_expert_shared:
-        fs = args.n_expert_shared * args.n_ff_exp
-        specs += [TensorSpec(f"{p}.ffn_gate_shexp.weight", (fs, d)), TensorSpec(f"{p}.ffn_up_shexp.weight", (fs, d)),
-                  TensorSpec(f"{p}.ffn_down_shexp.weight", (d, fs))]
+        specs += decoder.dense_ffn_tensors(d, args.n_expert_shared * args.n_ff_exp, p, "_shexp")
     return specs
 
 
@@ -123,8 +121,7 @@ def moe(b: GraphBuilder, args: Args, p: str, h):
                             scale=args.weights_scale)
     out = routed_experts(b, h, p, ids, w)
     if args.n_expert_shared:
-        sh = g.swiglu(b.linear(h, f"{p}.ffn_gate_shexp.weight"), b.linear(h, f"{p}.ffn_up_shexp.weight"))
-        out = g.add(out, b.linear(sh, f"{p}.ffn_down_shexp.weight"))
+        out = g.add(out, b.ffn_swiglu(h, p, "_shexp"))
     return out
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from pyfast._loader import native
-from pyfast.models import base
+from pyfast.models import base, decoder
 from pyfast.models.base import GraphBuilder, MemorySpec, TensorSpec
 
 ARCH = "qwen35"
@@ -226,15 +226,10 @@ def layer_tensors(args: Args, i: int, recurrent: bool) -> list[TensorSpec]:
                       TensorSpec(f"{p}.ffn_up_exps.weight", (E, F, d))]
         specs.append(TensorSpec(f"{p}.ffn_down_exps.weight", (E, d, F)))
         if args.n_ff_shexp:
-            Fs = args.n_ff_shexp
-            specs += [TensorSpec(f"{p}.ffn_gate_inp_shexp.weight", (1, d) if args.shexp_gate_2d else (d,)),
-                      TensorSpec(f"{p}.ffn_gate_shexp.weight", (Fs, d)),
-                      TensorSpec(f"{p}.ffn_up_shexp.weight", (Fs, d)),
-                      TensorSpec(f"{p}.ffn_down_shexp.weight", (d, Fs))]
+            specs.append(TensorSpec(f"{p}.ffn_gate_inp_shexp.weight", (1, d) if args.shexp_gate_2d else (d,)))
+            specs += decoder.dense_ffn_tensors(d, args.n_ff_shexp, p, "_shexp")
     else:
-        specs += [TensorSpec(f"{p}.ffn_gate.weight", (args.n_ff, d)),
-                  TensorSpec(f"{p}.ffn_up.weight", (args.n_ff, d)),
-                  TensorSpec(f"{p}.ffn_down.weight", (d, args.n_ff))]
+        specs += decoder.dense_ffn_tensors(d, args.n_ff, p)
     return specs
 
 
@@ -317,8 +312,7 @@ def ffn(b: GraphBuilder, args: Args, p: str, h):
         return b.ffn_swiglu(h, p)
     out = b.moe_ffn(h, p, args.n_expert_used, args.norm_topk, args.weights_scale)
     if args.n_ff_shexp:
-        sh = b.linear(g.swiglu(b.linear(h, f"{p}.ffn_gate_shexp.weight"), b.linear(h, f"{p}.ffn_up_shexp.weight")),
-                      f"{p}.ffn_down_shexp.weight")
+        sh = b.ffn_swiglu(h, p, "_shexp")
         gw = g.reshape(weight_f32(b, f"{p}.ffn_gate_inp_shexp.weight"), [1, args.n_embd])
         out = g.add(out, g.mul(sh, g.sigmoid(g.matmul(h, gw))))            # gate: [T, 1]
     return out
