@@ -398,7 +398,6 @@ class GraphBuilder:
 
         x: [T, d] -> [T, d]."""
         g = self.g
-        T = x.shape[0]
         logits = self.linear(x, f"{prefix}.ffn_gate_inp.weight")            # [T, E]
         ids = g.topk(logits, n_expert_used)                                  # [T, k]; same order as on probs
         if norm_topk:  # p_i / sum_sel p_j == softmax over the selected logits
@@ -407,18 +406,9 @@ class GraphBuilder:
             w = g.gather(g.softmax(logits), ids)
         if weights_scale != 1.0:
             w = g.scale(w, weights_scale)
-        if self.has(f"{prefix}.ffn_gate_up_exps.weight"):
-            gu = g.matmul_id(x, self.weight(f"{prefix}.ffn_gate_up_exps.weight"), ids)  # [T, k, 2F]
-            F = gu.shape[2] // 2
-            st = list(gu.strides)
-            gate = g.view(gu, [T, n_expert_used, F], st)
-            up = g.view(gu, [T, n_expert_used, F], st, offset=F * 4)
-        else:
-            gate = g.matmul_id(x, self.weight(f"{prefix}.ffn_gate_exps.weight"), ids)  # [T, k, F]
-            up = g.matmul_id(x, self.weight(f"{prefix}.ffn_up_exps.weight"), ids)
-        down = g.matmul_id(g.swiglu(gate, up), self.weight(f"{prefix}.ffn_down_exps.weight"), ids)  # [T, k, d]
-        down = g.mul(down, g.reshape(w, [T, n_expert_used, 1]))
-        return g.sum(down, 1)                                                # [T, d]
+        from pyfast.models.moe import routed_experts  # moe.py imports this module
+
+        return routed_experts(self, x, prefix, ids, w)                       # [T, d]
 
     def control(self, x, il: int):
         """x (the output of layer il, [T, n_embd]) plus that layer's control vector, if one is set
