@@ -30,6 +30,20 @@ _SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_t
 Meta = list[tuple[str, Any, str]]   # (key, value, GGUF type name)
 
 
+def _types(node) -> set:
+    """Every "type" value in a tokenizer.json component (pre_tokenizer, decoder, normalizer)."""
+    out = set()
+    if isinstance(node, dict):
+        if isinstance(node.get("type"), str):
+            out.add(node["type"])
+        for v in node.values():
+            out |= _types(v)
+    elif isinstance(node, list):
+        for v in node:
+            out |= _types(v)
+    return out
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
@@ -103,6 +117,12 @@ def tokenizer_metadata(hf_dir: str, config: dict[str, Any], n_vocab: int, defaul
     model = tj.get("model") if isinstance(tj, dict) else None
     if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ValueError(f"{tj_path}: only byte-level BPE tokenizers are supported")
+    # A BPE over SentencePiece pieces ("\u2581" for spaces, byte_fallback tokens; Gemma's, Llama 2's)
+    # would be written as byte-level BPE and tokenize wrongly: refuse it instead.
+    steps = _types(tj.get("pre_tokenizer")) | _types(tj.get("decoder"))
+    if "ByteLevel" not in steps and (model.get("byte_fallback") or "Metaspace" in steps | _types(tj.get("normalizer"))):
+        raise ValueError(f"{tj_path}: SentencePiece-style BPE tokenizers (Metaspace / byte_fallback, as Gemma's) "
+                         "are not supported yet: only byte-level BPE")
 
     # ---- tokens and their types
     id_to_tok: dict[int, str] = {}

@@ -819,3 +819,27 @@ def test_regenerated_fixtures_match_committed(tmp_path, request):
                 np.testing.assert_array_equal(a[k], b[k])
             else:
                 np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5, err_msg=f"{name}: {k}")
+
+
+@pytest.mark.parametrize("change", ["metaspace", "byte_fallback"])
+def test_sentencepiece_style_tokenizer_is_refused(change, tmp_path):
+    """A BPE over SentencePiece pieces (Gemma's) is refused by name instead of being written as
+    byte-level BPE; the byte-level original converts."""
+    from pyfast.convert.hf_tokenizer import tokenizer_metadata
+
+    src = FIX / "hf" / "qwen35"
+    cfg = json.loads((src / "config.json").read_text())
+    n_vocab = int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+    shutil.copytree(src, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))
+    assert tokenizer_metadata(str(tmp_path / "m"), cfg, n_vocab, "qwen35") is not None
+    tj = json.loads((src / "tokenizer.json").read_text())
+    if change == "metaspace":
+        tj["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}
+        tj["decoder"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}
+    else:
+        tj["pre_tokenizer"] = None
+        tj["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]}
+        tj["model"]["byte_fallback"] = True
+    (tmp_path / "m" / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ValueError, match="SentencePiece-style"):
+        tokenizer_metadata(str(tmp_path / "m"), cfg, n_vocab, "qwen35")
