@@ -54,12 +54,21 @@ def add_cache_type_arguments(p: argparse.ArgumentParser) -> None:
                    help="DeepSeek sparse attention of deepseek32 / glm-dsa models (default: on)")
     p.add_argument("--dsa-top-k", type=int, default=-1, metavar="N",
                    help="cells each query keeps under sparse attention (-1: the model's)")
+    p.add_argument("--swa-full", action=argparse.BooleanOptionalAction, default=True,
+                   help="models with sliding-window layers (Gemma 3 / 4): keep those layers' K/V for the whole "
+                        "context (default); --no-swa-full bounds their cache to the window (less memory; a "
+                        "sequence then cannot be cut back to an arbitrary earlier position)")
 
 
 def dsa_kwargs(a: argparse.Namespace) -> dict:
     """LLM / EngineConfig keyword arguments from --dsa / --dsa-top-k."""
     on = getattr(a, "dsa", None)
     return dict(dsa=None if on is None else on == "on", dsa_top_k=getattr(a, "dsa_top_k", -1))
+
+
+def swa_kwargs(a: argparse.Namespace) -> dict:
+    """LLM / EngineConfig keyword arguments from --swa-full / --no-swa-full."""
+    return dict(swa_full=bool(getattr(a, "swa_full", True)))
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -138,7 +147,7 @@ def _load(a):
     spec = _spec_config(a)  # checked before the model loads
     return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec,
                cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a),
-              **dsa_kwargs(a))
+              **dsa_kwargs(a), **swa_kwargs(a))
 
 
 def _print_timings(res) -> None:
@@ -210,7 +219,7 @@ def cmd_perplexity(a) -> int:
         text = f.read()
     llm = LLM(a.model, n_ctx=max(a.ctx_size, 512), n_threads=a.threads, verbose=True,
               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a),
-              **dsa_kwargs(a))
+              **dsa_kwargs(a), **swa_kwargs(a))
     res = llm.perplexity(text, n_ctx=a.ctx_size)
     print(f"chunks: {res.n_chunks}, scored tokens: {res.n_scored}")
     print(f"PPL = {res.ppl:.4f}")

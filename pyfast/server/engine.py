@@ -82,6 +82,7 @@ class EngineConfig:
     control_vector_layer_range: tuple[int, int] | None = None  # first and last layer, inclusive
     dsa: bool | None = None      # DeepSeek sparse attention on / off (None: the model's default, on)
     dsa_top_k: int = -1          # cells each query keeps under DSA (-1: the model's)
+    swa_full: bool = True        # sliding-window layers (Gemma): False bounds their cache to the window
     _control: "ControlVector | None" = field(default=None, init=False, repr=False, compare=False)  # read by validate()
     _device: object = field(default=None, init=False, repr=False, compare=False)  # opened by validate()
 
@@ -284,7 +285,8 @@ class Engine:
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=cfg.n_threads, max_plans=64,
                            n_ubatch=max(cfg.n_ubatch, n_rollback + 1), n_seq_max=cfg.n_parallel,
                            n_rollback=n_rollback, export_hidden=export_hidden,
-                           kv_dtype=cfg.cache_type_k, kv_dtype_v=cfg.cache_type_v, device=cfg._device)
+                           kv_dtype=cfg.cache_type_k, kv_dtype_v=cfg.cache_type_v, device=cfg._device,
+                           swa_full=cfg.swa_full)
         self.ctx.max_plans += 2 * max_draft  # verify batches come in more sizes
         # every round goes through the decoder (a plain multi-sequence decoder without proposers)
         self.decoder = SpecDecoder(self.ctx, proposers, round_cfg, safe_drafts=True)

@@ -82,7 +82,7 @@ def read_api_keys(keys: list[str], path: str | None) -> list[str]:
 
 
 def serve_from_args(a: argparse.Namespace) -> int:
-    from pyfast.cli import control_vector_kwargs, dsa_kwargs
+    from pyfast.cli import control_vector_kwargs, dsa_kwargs, swa_kwargs
 
     try:
         import uvicorn
@@ -107,6 +107,7 @@ def serve_from_args(a: argparse.Namespace) -> int:
                        n_batch=a.batch_size, n_ubatch=a.ubatch_size, n_checkpoints=a.ctx_checkpoints,
                        max_queue=a.max_queue, alias=a.alias, cache_type_k=a.cache_type_k,
                        cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a), **dsa_kwargs(a),
+                       **swa_kwargs(a),
                        spec=SpecConfig(spec_type=a.spec_type, n_max=a.draft_max, n_min=a.draft_min,
                                        p_min=a.draft_p_min, draft_model=a.model_draft))
     engine = Engine(cfg)
