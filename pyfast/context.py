@@ -48,6 +48,12 @@ class Context:
     export_hidden: also keep the post-final-norm hidden state of every row of every batch in
                    ``last_hidden`` (float32 [n_tokens, n_embd], caller's row order) for drafters
                    that consume it (MTP). Off by default; costs nothing when off.
+    capture_layers: feature capture for drafters that read the target's intermediate rows
+                   (EAGLE-3, DFlash): layer ids l (the input of layer l, 1 <= l <= n_layer; id
+                   n_layer is the final hidden state before the output norm). Every decode then
+                   keeps ``last_features``, float32 [n_tokens, len(capture_layers) * n_embd] of
+                   every row (caller's row order), layer-major in this order. Empty (default):
+                   nothing is captured and the graphs are the plain ones.
     kv_dtype, kv_dtype_v: how K and V rows are stored ("f16" default, "f32", "q8_0"; V as K
                    unless given). Q8_0 halves the cache and the bytes attention reads.
     device:        "cpu" (default), "vulkan:0", ... or an opened native Device: the plans run
@@ -62,7 +68,8 @@ class Context:
     def __init__(self, model: Model, n_ctx: int = 4096, n_threads: int | None = None,
                  n_ubatch: int = 512, kv_dtype: "native.DType | str" = native.DType.F16, max_plans: int = 12,
                  n_seq_max: int = 4, n_rollback: int = 0, export_hidden: bool = False,
-                 kv_dtype_v: "native.DType | str | None" = None, device=None, swa_full: bool = True):
+                 kv_dtype_v: "native.DType | str | None" = None, device=None, swa_full: bool = True,
+                 capture_layers: Sequence[int] = ()):
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
         if n_ubatch < 1:
@@ -83,6 +90,10 @@ class Context:
         self.n_threads = n_threads or default_threads()
         self.n_ubatch = n_ubatch
         self.export_hidden = export_hidden
+        self.capture_layers = model.check_capture(capture_layers)
+        self.last_features: np.ndarray | None = None
+        # rows beyond the logits leave each decode: the grouped path (it copies them out)
+        self._rows_out = export_hidden or bool(self.capture_layers)
         self._sink = model.needs_sink  # DSA's per-sequence sink: an extra [T, n_kv] input per batch
         self.last_hidden: np.ndarray | None = None
         self.pool = native.ThreadPool(self.n_threads)
@@ -144,11 +155,13 @@ class Context:
         plan = self._plans.get(key)
         if plan is None:
             if self.kv_swa is not None:
-                b = self.model.build(shape, self.kv, export_hidden=self.export_hidden, kv_swa=self.kv_swa)
-            elif self.rec is None and not self.export_hidden:
+                b = self.model.build(shape, self.kv, export_hidden=self.export_hidden, kv_swa=self.kv_swa,
+                                     capture=self.capture_layers)
+            elif self.rec is None and not self._rows_out:
                 b = self.model.build(shape, self.kv)
             else:
-                b = self.model.build(shape, self.kv, rec=self.rec, export_hidden=self.export_hidden)
+                b = self.model.build(shape, self.kv, rec=self.rec, export_hidden=self.export_hidden,
+                                     capture=self.capture_layers)
             plan = native.Plan(b.g, self.pool, self.device, self.arenas)
             self.n_plan_builds += 1
             self._plans[key] = plan
@@ -170,7 +183,7 @@ class Context:
         Returns float32 [n_selected, n_vocab], rows in the order requested. copy=False may return
         a view into the plan's output instead (valid until the next decode).
         """
-        if (self.rec is None and not self.export_hidden and positions is not None and isinstance(logits, str)
+        if (self.rec is None and not self._rows_out and positions is not None and isinstance(logits, str)
                 and logits == "last"
                 and isinstance(seq_ids, (int, np.integer)) and len(tokens) == 1 and len(positions) == 1):
             return self._decode_one(int(tokens[0]), int(positions[0]), int(seq_ids))
@@ -213,7 +226,7 @@ class Context:
                 raise ValueError("decode: logits row index out of range")
 
         toks32 = toks.astype(np.int32)
-        if self.rec is not None or self.export_hidden:
+        if self.rec is not None or self._rows_out:
             out = np.empty((rows.size, n_vocab), dtype=np.float32)
             return self._decode_grouped(toks32, seqs, pos, rows, out)
         # a short run of one sequence at consecutive positions (a verify batch): native cell
@@ -292,7 +305,7 @@ class Context:
         """One generation step: decode `token` at `position` of `seq` and return its logits row
         (float32 [n_vocab]). The row is a view into the plan's output, valid until the next
         decode; copy it to keep it."""
-        if self.rec is None and not self.export_hidden:
+        if self.rec is None and not self._rows_out:
             return self._decode_one(int(token), int(position), int(seq), copy=False)[0]
         return self.decode([token], positions=[position], seq_ids=seq)[0]
 
@@ -302,7 +315,7 @@ class Context:
         plan's output (float32 [n, n_vocab]), valid until the next decode. Same plans and
         arithmetic as decode()."""
         n = len(tokens)
-        if (self.rec is not None or self.export_hidden or n == 0 or n > min(64, self.n_ubatch)
+        if (self.rec is not None or self._rows_out or n == 0 or n > min(64, self.n_ubatch)
                 or type(tokens) is not np.ndarray or tokens.dtype != np.int32):
             return self.decode(tokens, positions=np.arange(pos0, pos0 + n, dtype=np.int32), seq_ids=seq,
                                logits="all", copy=False)
@@ -371,6 +384,8 @@ class Context:
         inv[perm] = np.arange(T)
         rows_p = inv[rows]                             # requested rows as indices in perm order
         hidden = np.empty((T, self.model.args.n_embd), dtype=np.float32) if self.export_hidden else None
+        feats = (np.empty((T, len(self.capture_layers) * self.model.args.n_embd), dtype=np.float32)
+                 if self.capture_layers else None)
         for ub in ubatches:
             u0 = runs[ub[0][0]][1] + ub[0][1]         # a micro-batch is a contiguous range of perm
             Tu = sum(n for _, _, n in ub)
@@ -397,8 +412,12 @@ class Context:
                 out[sel] = plan.output("logits", copy=False)
             if hidden is not None:
                 hidden[idx] = plan.output("hidden", copy=False)
+            if feats is not None:
+                feats[idx] = plan.output("features", copy=False)
         if hidden is not None:
             self.last_hidden = hidden
+        if feats is not None:
+            self.last_features = feats
         return out
 
     # --- memory ----------------------------------------------------------------------------

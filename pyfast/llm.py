@@ -149,10 +149,11 @@ class LLM:
         n_rollback = max((speculative.n_max_for(p) for p in props), default=0) \
             if props and self.model.is_recurrent else 0
         # draft-mtp reads the target's hidden rows: export them only when a proposer needs them
-        from pyfast.spec.config import needs_hidden
+        from pyfast.spec.config import capture_layers, needs_hidden
 
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=max(n_ubatch, n_rollback + 1),
                            n_seq_max=n_seq_max, n_rollback=n_rollback, export_hidden=needs_hidden(props),
+                           capture_layers=capture_layers(props),
                            kv_dtype=cache_type_k, kv_dtype_v=cache_type_v, device=dev, swa_full=swa_full)
         self._cached: list[int] = []  # tokens of sequence 0 currently in the cache
         self.speculative = speculative

@@ -84,16 +84,21 @@ class Model:
     def name(self) -> str:
         return str(self.metadata.get("general.name") or os.path.basename(self.path))
 
-    def build(self, shape: BatchShape, kv, rec=None, export_hidden: bool = False, kv_swa=None):
+    def build(self, shape: BatchShape, kv, rec=None, export_hidden: bool = False, kv_swa=None,
+              capture: tuple[int, ...] = ()):
         """A graph for one batch shape; returns the builder (its .g has outputs 'logits', 'argmax'
-        (int32, each logits row's first maximum), and 'hidden' [n_tokens, n_embd] with
-        export_hidden)."""
+        (int32, each logits row's first maximum), 'hidden' [n_tokens, n_embd] with export_hidden,
+        and 'features' [n_tokens, len(capture) * n_embd] with capture: the input rows of those
+        layers, id n_layer = the last layer's output before the output norm; see
+        ``check_capture``)."""
         if export_hidden and not self.supports_hidden:
             raise ValueError(f"{self.path}: architecture {self.arch.ARCH!r} cannot export hidden rows")
+        capture = self.check_capture(capture)
         b = GraphBuilder(self.weights, shape, kv, rec=rec, export_hidden=export_hidden, control=self.control,
-                         kv_swa=kv_swa)
+                         kv_swa=kv_swa, capture=capture, n_layer=self.args.n_layer)
         self._built = True
         logits = self.arch.build(b, self.args)
+        b.output_features()
         b.g.output(logits, "logits")
         b.g.output(b.g.argmax(logits), "argmax")  # greedy decoding reads this instead of the rows
         return b
@@ -142,6 +147,20 @@ class Model:
         """Whether graphs take the "kv_sink" input (DSA with the per-sequence sink on)."""
         f = getattr(self.arch, "needs_sink", None)
         return bool(f(self.args)) if f is not None else False
+
+    def check_capture(self, layers) -> tuple[int, ...]:
+        """Validate feature-capture layer ids (drafters that read the target's intermediate rows:
+        EAGLE-3, DFlash): id l is the input of layer l (the output of layer l - 1), 1 <= l <=
+        n_layer, id n_layer the last layer's output before the output norm. Returns the tuple."""
+        out = tuple(int(l) for l in (layers or ()))
+        n = self.args.n_layer
+        for l in out:
+            if not 1 <= l <= n:
+                raise ValueError(f"feature capture: layer id {l} is outside [1, {n}] for {self.path} ({n} layers; "
+                                 f"id l is the input of layer l, {n} the final hidden state before the output norm)")
+        if len(set(out)) != len(out):
+            raise ValueError(f"feature capture: layer ids {list(out)} repeat an id")
+        return out
 
     @property
     def supports_hidden(self) -> bool:

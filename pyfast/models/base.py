@@ -258,7 +258,8 @@ class GraphBuilder:
     """Wraps a native Graph with the inputs of one batch shape and layer helpers."""
 
     def __init__(self, weights: Weights, shape: BatchShape, kv=None, rec=None, export_hidden: bool = False,
-                 control: dict[int, np.ndarray] | None = None, kv_swa=None):
+                 control: dict[int, np.ndarray] | None = None, kv_swa=None, capture: tuple[int, ...] = (),
+                 n_layer: int = 0):
         self.g = native.Graph()
         self.control_vectors = control or {}  # 0-based layer -> vector added to its output
         self.w = weights
@@ -266,6 +267,12 @@ class GraphBuilder:
         self.kv = kv
         self.rec = rec                      # RecurrentMemory or None
         self.export_hidden = export_hidden  # the arch outputs "hidden" (post-final-norm, every row)
+        # feature capture (EAGLE-3 / DFlash drafters): the input rows of these layers (id n_layer:
+        # the last layer's output before the output norm), every row, collected by control()
+        self.capture_layers = tuple(capture)
+        self.captured: dict[int, object] = {}
+        # every row reaches the end of the trunk (the archs skip the head rows' selection)
+        self.all_rows = export_hidden or (n_layer > 0 and n_layer in self.capture_layers)
         T, n_kv = shape.n_tokens, shape.n_kv
         g = self.g
         self.tokens = g.input("tokens", DType.I32, [T])       # [T]
@@ -412,11 +419,32 @@ class GraphBuilder:
 
     def control(self, x, il: int):
         """x (the output of layer il, [T, n_embd]) plus that layer's control vector, if one is set
-        (pyfast/control_vector.py); x itself otherwise."""
+        (pyfast/control_vector.py); x itself otherwise. Every architecture calls it once per
+        layer, so it is also where layer il + 1's input is captured (``capture_layers``)."""
         v = self.control_vectors.get(il)
-        if v is None:
-            return x
-        return self.g.add(x, self.g.external(f"control.{il}", DType.F32, [v.size], v))
+        if v is not None:
+            x = self.g.add(x, self.g.external(f"control.{il}", DType.F32, [v.size], v))
+        if il + 1 in self.capture_layers:
+            self.captured[il + 1] = x
+        return x
+
+    def output_features(self) -> None:
+        """The graph output "features" [T, L * n_embd]: the captured rows, layer-major in
+        capture_layers order (called by Model.build after the architecture's build)."""
+        if not self.capture_layers:
+            return
+        missing = [l for l in self.capture_layers if l not in self.captured]
+        if missing:
+            raise ValueError(f"feature capture: the graph never produced the input of layer(s) {missing}")
+        T = self.shape.n_tokens
+        parts = [self.captured[l] for l in self.capture_layers]
+        for l, t in zip(self.capture_layers, parts):
+            if t.shape[0] != T:
+                raise ValueError(f"feature capture: layer {l}'s input has {t.shape[0]} rows, expected {T}")
+        f = parts[0] if parts[0].dtype == DType.F32 else self.g.cpy(parts[0], DType.F32)
+        for t in parts[1:]:
+            f = self.g.concat(f, t if t.dtype == DType.F32 else self.g.cpy(t, DType.F32), -1)
+        self.g.output(f, "features")
 
     def select_outputs(self, x):
         """Keep only the rows whose logits are wanted: [T, d] -> [n_out, d]."""
@@ -455,10 +483,11 @@ def outer_tensors(args) -> list[TensorSpec]:
 def output_logits(b: GraphBuilder, args, x, norm=None):
     """The final norm (norm(x, name, eps); b.norm by default) of the last layer's output x, the
     graph output "hidden" [T, d] of every row when b.export_hidden, then the head on the rows in
-    b.out_ids: logits [n_out, n_vocab]. x is [T, d], or already [n_out, d] when not exporting."""
+    b.out_ids: logits [n_out, n_vocab]. x is [T, d] when b.all_rows, else already [n_out, d]."""
     x = (norm or b.norm)(x, "output_norm.weight", args.eps)
-    if b.export_hidden:
-        b.g.output(x, "hidden")                                            # [T, d]
+    if b.all_rows:
+        if b.export_hidden:
+            b.g.output(x, "hidden")                                        # [T, d]
         x = b.select_outputs(x)
     return b.linear(x, head_name(args))
 

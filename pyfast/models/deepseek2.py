@@ -348,7 +348,7 @@ def build(b: GraphBuilder, args: Args, attn=None):
     for i in range(args.n_layer):
         p = f"blk.{i}"
         x = g.add(x, attn(b, args, p, norm(b, x, f"{p}.attn_norm.weight", args.eps), i))
-        if i == args.n_layer - 1 and not b.export_hidden:
+        if i == args.n_layer - 1 and not b.all_rows:
             x = b.select_outputs(x)                                        # [n_out, d]
         x = b.control(g.add(x, ffn(b, args, i, p, norm(b, x, f"{p}.ffn_norm.weight", args.eps))), i)
     return base.output_logits(b, args, x, partial(norm, b))

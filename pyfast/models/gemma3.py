@@ -173,7 +173,7 @@ def build(b: GraphBuilder, args: Args):
         h = attention(b, args, p, b.norm(x, f"{p}.attn_norm.weight", args.eps), i,
                       args.rope_swa if swa else args.rope, swa_mask(b) if swa and b.kv_swa is None else None)
         x = g.add(x, b.norm(h, f"{p}.post_attention_norm.weight", args.eps))
-        if i == args.n_layer - 1 and not b.export_hidden:
+        if i == args.n_layer - 1 and not b.all_rows:
             x = b.select_outputs(x)
         h = geglu_ffn(b, p, b.norm(x, f"{p}.ffn_norm.weight", args.eps))
         x = b.control(g.add(x, b.norm(h, f"{p}.post_ffw_norm.weight", args.eps)), i)

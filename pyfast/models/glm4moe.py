@@ -140,7 +140,7 @@ def build(b: GraphBuilder, args: Args):
     post-final-norm hidden of every row, when b.export_hidden)."""
     x = b.embed("token_embd.weight")                                     # [T, d]
     for i in range(args.n_layer):
-        x = b.control(layer(b, args, i, x, i, last=i == args.n_layer - 1 and not b.export_hidden), i)
+        x = b.control(layer(b, args, i, x, i, last=i == args.n_layer - 1 and not b.all_rows), i)
     return base.output_logits(b, args, x)
 
 

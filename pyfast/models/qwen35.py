@@ -334,7 +334,7 @@ def build(b: GraphBuilder, args: Args):
             h = attn_layer(b, args, p, h, ia)
             ia += 1
         x = g.add(x, h)
-        if i == args.n_layer - 1 and not b.export_hidden:
+        if i == args.n_layer - 1 and not b.all_rows:
             x = b.select_outputs(x)                                        # [n_out, d]
         h = norm(b, x, f"{p}.post_attention_norm.weight", args.eps)
         x = b.control(g.add(x, ffn(b, args, p, h)), i)

@@ -47,7 +47,7 @@ from pyfast.memory.recurrent import RollbackError
 from pyfast.sampling import Sampler, SamplingParams
 from pyfast.server.metrics import ServerMetrics
 from pyfast.server.spec import SpecConfig, as_proposer, build_proposers
-from pyfast.spec.config import needs_hidden
+from pyfast.spec.config import capture_layers, needs_hidden
 from pyfast.spec.decoder import SpecDecoder
 
 log = logging.getLogger("pyfast.server")
@@ -285,6 +285,7 @@ class Engine:
         self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=cfg.n_threads, max_plans=64,
                            n_ubatch=max(cfg.n_ubatch, n_rollback + 1), n_seq_max=cfg.n_parallel,
                            n_rollback=n_rollback, export_hidden=export_hidden,
+                           capture_layers=capture_layers(proposers),
                            kv_dtype=cfg.cache_type_k, kv_dtype_v=cfg.cache_type_v, device=cfg._device,
                            swa_full=cfg.swa_full)
         self.ctx.max_plans += 2 * max_draft  # verify batches come in more sizes
@@ -602,12 +603,14 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.ctx.decode(toks, pos, seqs, logits=np.asarray(rows, dtype=np.int64))
         hidden = self.ctx.last_hidden if self.ctx.export_hidden else None  # every row's, for process()
+        feats = self.ctx.last_features if self.ctx.capture_layers else None  # captured layers (EAGLE-3, DFlash)
         m.decode_seconds.inc(time.perf_counter() - t0)
         m.decode_steps.inc()
         m.batch_tokens.observe(len(toks))
 
         if pre:
-            dec.process_prompt(seqs[n_gen:], toks[n_gen:], pos[n_gen:], None if hidden is None else hidden[n_gen:])
+            dec.process_prompt(seqs[n_gen:], toks[n_gen:], pos[n_gen:], None if hidden is None else hidden[n_gen:],
+                               None if feats is None else feats[n_gen:])
         for s, n, last, r in pre:
             job = s.job
             s.tokens.extend(job.prompt[job.n_fed:job.n_fed + n])
@@ -627,7 +630,7 @@ class Engine:
 
         if rnd is not None:
             dec.end_round(rnd, logits[:n_gen], None if hidden is None else hidden[:n_gen], self._take,
-                          self._verify_failed)
+                          self._verify_failed, None if feats is None else feats[:n_gen])
             for s, seq in zip(gen, rnd.slots):  # the cache holds every token of the sequence but the last
                 if s not in self._failed:
                     s.tokens.extend(seq._buf[len(s.tokens): seq.n - 1].tolist())

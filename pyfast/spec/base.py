@@ -76,6 +76,9 @@ class DecodeBatch:
     kind: "prompt" or "verify"; n_accepted maps seq -> accepted draft tokens (verify only).
     hidden: the target's hidden rows of exactly these tokens (float32 [n_tokens, n_embd]) when the
     target exports them and the decode held other rows too; None: read ``ctx.last_hidden``.
+    features: the target's captured layer rows of exactly these tokens (float32 [n_tokens,
+    L * n_embd], layer-major in ``feature_layers`` order; ``Context(capture_layers=...)``), None
+    when the target captures none (or the caller could not tell which rows were these).
     """
 
     kind: str
@@ -84,6 +87,28 @@ class DecodeBatch:
     positions: np.ndarray
     n_accepted: dict[int, int] | None = None
     hidden: np.ndarray | None = None
+    features: np.ndarray | None = None
+    feature_layers: tuple[int, ...] = ()
+
+    def layer_features(self, layers: Sequence[int]) -> np.ndarray | None:
+        """The captured rows of the given layer ids, concatenated in that order ([n_tokens,
+        len(layers) * n_embd]; the array itself when it is exactly the captured set in order).
+        None without features; ValueError for a layer the target does not capture."""
+        f = self.features
+        if f is None:
+            return None
+        layers = tuple(layers)
+        if layers == tuple(self.feature_layers):
+            return f
+        L = len(self.feature_layers)
+        d = f.shape[1] // max(L, 1)
+        cols = []
+        for l in layers:
+            if l not in self.feature_layers:
+                raise ValueError(f"layer {l} is not captured by the target (it captures {list(self.feature_layers)})")
+            j = self.feature_layers.index(l)
+            cols.append(f[:, j * d:(j + 1) * d])
+        return np.concatenate(cols, axis=1) if cols else f[:, :0]
 
 
 class Proposer:
@@ -99,6 +124,9 @@ class Proposer:
     default_n_max: int = 16
     default_n_min: int = 1
     kind_priors: dict[str, float] = {}  # Draft.kind -> acceptance the adaptive controller assumes first
+    # target layers whose input rows this proposer reads (feature capture, see DecodeBatch.features;
+    # id l = input of layer l, n_layer = the final hidden state before the output norm)
+    capture_layers: tuple[int, ...] = ()
 
     def begin(self, seq: int, prompt: Sequence[int] | np.ndarray) -> None:
         pass

@@ -157,3 +157,15 @@ def needs_hidden(proposers) -> bool:
     """Whether any proposer consumes the target's hidden rows (draft-mtp): the target Context
     must then be created with export_hidden=True (and only then: the export costs a copy)."""
     return any(getattr(p, "needs_hidden", False) for p in proposers or ())
+
+
+def capture_layers(proposers) -> tuple[int, ...]:
+    """The target layers whose rows the proposers read (EAGLE-3, DFlash: ``Proposer.capture_layers``),
+    in first-seen order: create the target Context with ``capture_layers=`` this (empty: nothing
+    is captured, the graphs are the plain ones)."""
+    out: list[int] = []
+    for p in proposers or ():
+        for l in getattr(p, "capture_layers", ()) or ():
+            if int(l) not in out:
+                out.append(int(l))
+    return tuple(out)

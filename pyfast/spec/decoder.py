@@ -220,12 +220,20 @@ class SpecDecoder:
             self.process_prompt(np.full(n, slot.seq, dtype=np.int32), slot.tokens[start:].copy(),
                                 np.arange(start, slot.n, dtype=np.int32))
 
-    def process_prompt(self, seqs, toks, pos, hidden: np.ndarray | None = None) -> None:
-        """Tell the proposers that the caller decoded these prompt rows (hidden: the target's
-        hidden rows of exactly these tokens, when the decode held other rows too)."""
+    def process_prompt(self, seqs, toks, pos, hidden: np.ndarray | None = None,
+                       features: np.ndarray | None = None) -> None:
+        """Tell the proposers that the caller decoded these prompt rows (hidden / features: the
+        target's hidden / captured rows of exactly these tokens, when the decode held other rows
+        too; features default to the last decode's when it held exactly these rows)."""
         if self._processing and len(toks):
+            layers = tuple(getattr(self.ctx, "capture_layers", ()) or ())
+            if features is None and layers:
+                f = self.ctx.last_features
+                if f is not None and f.shape[0] == len(toks):
+                    features = f
             batch = DecodeBatch("prompt", np.asarray(seqs, dtype=np.int32), np.asarray(toks, dtype=np.int32),
-                                np.asarray(pos, dtype=np.int32), hidden=hidden)
+                                np.asarray(pos, dtype=np.int32), hidden=hidden, features=features,
+                                feature_layers=layers)
             for p in self._processing:
                 p.process(batch)
 
@@ -336,8 +344,8 @@ class SpecDecoder:
                      np.array(pos, dtype=np.int32), np.array(seqs, dtype=np.int32), saved, t0, t1)
 
     def end_round(self, rnd: Round, logits: np.ndarray, hidden: np.ndarray | None = None,
-                  take: Take | None = None, on_error: Callable[[Slot, Exception], None] | None = None
-                  ) -> list[list[int]]:
+                  take: Take | None = None, on_error: Callable[[Slot, Exception], None] | None = None,
+                  features: np.ndarray | None = None) -> list[list[int]]:
         """Finish a round after its decode: verify every slot, roll its cache back to the tokens
         it keeps (restoring and replaying recurrent state where needed), record the statistics,
         tell the proposers (accept, then process of the verify batch). Returns each slot's new
@@ -345,7 +353,8 @@ class SpecDecoder:
 
         logits: the round's rows (float32 [rnd.n_rows, n_vocab], in the batch's order); hidden:
         the target's hidden rows of the same tokens (default: the first rows the context
-        exported). take(slot, tokens, rows): the caller consumes the tokens (rows: their logits)
+        exported); features: their captured layer rows (default: the first rows the context
+        captured). take(slot, tokens, rows): the caller consumes the tokens (rows: their logits)
         and returns how many it used (>= 1; fewer after a stop); the rest are dropped from the
         slot and its cache. on_error(slot, exc): a verification that raises (e.g. non-finite
         logits) is reported there and the slot gets no tokens; without it the error propagates.
@@ -353,6 +362,9 @@ class SpecDecoder:
         ctx = self.ctx
         if hidden is None and ctx.export_hidden and ctx.last_hidden is not None:
             hidden = ctx.last_hidden[: rnd.n_rows]
+        layers = tuple(getattr(ctx, "capture_layers", ()) or ())
+        if features is None and layers and ctx.last_features is not None:
+            features = ctx.last_features[: rnd.n_rows]
         accepted: dict[int, int] = {}
         replay: list[np.ndarray] = []
         out: list[list[int]] = []
@@ -383,7 +395,7 @@ class SpecDecoder:
             rnd.t_replay = time.perf_counter() - t
             rnd.n_replayed = int(r.size)
         if self._processing:
-            batch = DecodeBatch("verify", rnd.seqs, rnd.toks, rnd.pos, accepted, hidden)
+            batch = DecodeBatch("verify", rnd.seqs, rnd.toks, rnd.pos, accepted, hidden, features, layers)
             for p in self._processing:
                 p.process(batch)
         t2 = time.perf_counter()
@@ -398,7 +410,7 @@ class SpecDecoder:
         """One round for each slot (all in one target decode); returns each slot's new tokens:
         its accepted draft tokens followed by one recovered or bonus token."""
         ctx = self.ctx
-        if len(slots) == 1 and ctx.rec is None and not ctx.export_hidden:
+        if len(slots) == 1 and ctx.rec is None and not ctx.export_hidden and not getattr(ctx, "capture_layers", ()):
             self._check_room(1)
             return [self._step_one(slots[0])]
         rnd = self.begin_round(slots)

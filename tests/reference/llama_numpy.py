@@ -126,6 +126,9 @@ class LlamaRef:
         self._cache: dict[str, np.ndarray] | None = {} if cache_weights else None
         # vectors added to the output of a layer (0-based index -> [n_embd]): control vectors
         self.layer_add: dict[int, np.ndarray] = {}
+        # after forward(): layer id l -> the input rows of layer l ([T, n_embd] float64; id
+        # n_layer = the last layer's output before the output norm), for feature-capture tests
+        self.layer_inputs: dict[int, np.ndarray] = {}
 
     # -- file access --------------------------------------------------------------------------
 
@@ -200,7 +203,9 @@ class LlamaRef:
 
         x = self.weight("token_embd.weight")[tokens].astype(np.float64)  # [T, n_embd]
         new_k, new_v = [], []
+        self.layer_inputs = {}
         for il in range(self.n_layer):
+            self.layer_inputs[il] = x
             b = f"blk.{il}."
             h = rms_norm(x, self.eps) * self.weight(b + "attn_norm.weight")
             q = self._mm(h, b + "attn_q.weight").reshape(T, Hq, D)
@@ -230,6 +235,7 @@ class LlamaRef:
             x = x + self._mm(g / (1.0 + np.exp(-g)) * u, b + "ffn_down.weight")
             if il in self.layer_add:
                 x = x + np.asarray(self.layer_add[il], dtype=np.float64)
+        self.layer_inputs[self.n_layer] = x
 
         h = rms_norm(x, self.eps) * self.weight("output_norm.weight")
         w_out = self.weight("token_embd.weight" if self.tied else "output.weight")
