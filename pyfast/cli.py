@@ -312,13 +312,20 @@ def cmd_quantize(a) -> int:
 def cmd_convert(a) -> int:
     import warnings
 
-    from pyfast.convert import convert
+    from pyfast.convert import convert, convert_draft
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = convert(a.hf_dir, a.output, mtp=a.mtp, outtype=a.outtype, log=None if a.quiet else print)
+        if a.draft:
+            res = convert_draft(a.hf_dir, a.output, outtype=a.outtype, log=None if a.quiet else print)
+        else:
+            res = convert(a.hf_dir, a.output, mtp=a.mtp, outtype=a.outtype, log=None if a.quiet else print)
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
+    if a.draft:
+        print(f"{res.path}: drafter {res.arch}, {res.n_tensors} tensors, {res.out_bytes / 2**20:.1f} MiB in "
+              f"{res.seconds:.1f} s")
+        return 0
     print(f"{res.path}: {res.arch}, {res.n_tensors} tensors ({res.n_mtp} MTP layer(s)), "
           f"{res.out_bytes / 2**20:.1f} MiB in {res.seconds:.1f} s"
           + ("" if res.has_tokenizer else " (no tokenizer)"))
@@ -417,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="type of the weight matrices (norms and small tensors stay F32)")
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
                    help="keep the multi-token-prediction layers as nextn blocks (default: keep)")
+    p.add_argument("--draft", action="store_true",
+                   help="the checkpoint is a speculative drafter (DFlash / DSpark: z-lab, DeepSpec, speculators / "
+                        "SpecForge); written as a drafter GGUF for --spec-type draft-dflash / draft-dspark")
     p.add_argument("-q", "--quiet", action="store_true", help="no per-tensor lines")
     p.set_defaults(fn=cmd_convert)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["OUTTYPES", "SUPPORTED_MODEL_TYPES", "ConvertResult", "convert", "to_bf16_bits"]
+__all__ = ["OUTTYPES", "SUPPORTED_MODEL_TYPES", "ConvertResult", "convert", "convert_draft", "to_bf16_bits"]
 
 # output type -> (ggml type id, general.file_type)
 OUTTYPES: dict[str, tuple] = {"f32": (0, 0), "f16": (1, 1), "bf16": (30, 32)}
@@ -162,3 +162,27 @@ def convert(hf_dir, out_path, mtp: bool = True, outtype: str = "f32",
     w.write()
     return ConvertResult(out_path, arch, len(p.tensors), p.n_mtp, os.path.getsize(out_path),
                          time.perf_counter() - t0, tok is not None)
+
+
+def convert_draft(hf_dir, out_path, outtype: str = "f32",
+                  log: Callable[[str], None] | None = None) -> ConvertResult:
+    """Convert a speculative drafter checkpoint (``pyfast convert --draft``): DFlash / DSpark (z-lab,
+    DeepSpec, speculators / SpecForge; :mod:`pyfast.convert.dflash`) or EAGLE-3
+    (``pyfast.convert.eagle3`` when present), chosen from config.json."""
+    import importlib
+
+    from pyfast.convert import dflash
+
+    hf_dir = os.fspath(hf_dir)
+    cfg = _read_config(hf_dir)
+    if dflash.detect(cfg) is not None:
+        return dflash.convert_draft(hf_dir, out_path, outtype=outtype, log=log)
+    try:
+        eagle3 = importlib.import_module("pyfast.convert.eagle3")
+    except ImportError:
+        eagle3 = None
+    if eagle3 is not None and eagle3.detect(cfg):
+        return eagle3.convert_draft(hf_dir, out_path, outtype=outtype, log=log)
+    raise ValueError(f"{os.path.join(hf_dir, 'config.json')}: not a drafter checkpoint this version converts "
+                     "(DFlash / DSpark: dflash_config, speculators_model_type dflash / dspark, DeepSpec DSpark; "
+                     "EAGLE-3); convert a full model without --draft")

@@ -42,12 +42,11 @@ def detect(cfg: dict) -> str | None:
     if not isinstance(cfg, dict):
         return None
     archs = cfg.get("architectures") or []
-    if isinstance(cfg.get("transformer_layer_config"), dict) and \
-            cfg.get("speculators_model_type") in ("dflash", "dspark"):
-        return "speculators"
+    if isinstance(cfg.get("transformer_layer_config"), dict):
+        return "speculators" if cfg.get("speculators_model_type") in ("dflash", "dspark") else None
     if "dflash_config" in cfg or "DFlashDraftModel" in archs:
         return "dflash"
-    if any("DSpark" in str(a) for a in archs) or ("markov_rank" in cfg and "target_layer_ids" in cfg):
+    if any(str(a).endswith("DSparkModel") for a in archs) or ("markov_rank" in cfg and "target_layer_ids" in cfg):
         return "deepspec"
     return None
 

@@ -249,10 +249,14 @@ def _oracle_markov(tmp_path, target, n_ctx=64, fmt="deepspec", strength=30.0, **
     return tmp_path / f"oracle{strength:g}.gguf"
 
 
-def _run(model, prompts, n_gen, proposers=(), cfg=None, capture=(), n_rollback=0, check=None, sampler=None):
+def _run(model, prompts, n_gen, proposers=(), cfg=None, capture=(), n_rollback=0, check=None, sampler=None,
+         device=None, hook=None):
     """Greedy (or `sampler`) generation of every prompt in one SpecDecoder (all sequences batched);
-    check(decoder, slots) runs after every round."""
-    ctx = Context(model, n_ctx=512, n_threads=2, capture_layers=capture, n_rollback=n_rollback, n_seq_max=4)
+    check(decoder, slots) runs after every round; hook(ctx) before the first decode."""
+    ctx = Context(model, n_ctx=512, n_threads=2, capture_layers=capture, n_rollback=n_rollback, n_seq_max=4,
+                  device=device)
+    if hook is not None:
+        hook(ctx)
     dec = SpecDecoder(ctx, list(proposers), cfg or SpecConfig())
     slots = [dec.add(i, p, sampler() if sampler else Sampler(SamplingParams(temperature=0), model.n_vocab))
              for i, p in enumerate(prompts)]
@@ -334,10 +338,17 @@ def test_greedy_identical_hybrid(tmp_path, n_rollback):
     prop = BlockDrafter(BlockDrafterModel(tmp_path / "d.gguf"), model, n_ctx=512)
     from pyfast.spec.ngram import NgramSimple
 
+    restored = []
+
+    def hook(ctx):
+        orig = ctx.restore_state
+        ctx.restore_state = lambda *a, **k: (restored.append(1), orig(*a, **k))[1]
+
     got, dec = _run(model, prompts, 16, [NgramSimple(n=1), prop], SpecConfig(draft_max=5), prop.capture_layers,
-                    n_rollback=n_rollback, check=_cache_check(prop))
+                    n_rollback=n_rollback, check=_cache_check(prop), hook=hook)
     assert got == want
     assert dec.stats.drafted > 0 and dec.stats.by_proposer["draft-dspark"].drafted > 0
+    assert (len(restored) > 0) == (n_rollback < 5), "restore + replay exactly when drafts exceed the rollback"
 
 
 # --- sampling -------------------------------------------------------------------------------------
@@ -406,3 +417,77 @@ def test_sampling_run_is_exact_length(target, oracle):
                     sampler=lambda: Sampler(SamplingParams(temperature=0.3, seed=3), V))
     assert all(len(o) == 16 for o in out)
     assert dec.stats.drafted > 0 and dec.stats.accepted > 0
+
+
+# --- converter ------------------------------------------------------------------------------------
+SFA = {"dflash": False, "dspark": True, "dspark-h": True, "dflash-reduced": False, "dspark-reduced": True,
+       "dspark-bonus": False}
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_converted_metadata(target, drafters, name):
+    """Block layout by format (z-lab DFlash: bonus-anchor; DeepSpec: anchor-first; speculators:
+    sample_from_anchor, default by dflash / dspark), the target layers ("output of layer" ids; the
+    speculators file's aux ids minus one), the reduced vocabulary as absolute ids."""
+    from tests.reference.dflash_numpy import load_safetensors
+
+    hf, gguf = drafters[name]
+    m = BlockDrafterModel(gguf)
+    a = m.args
+    assert a.sample_from_anchor == SFA[name]
+    assert list(a.target_layers) == KINDS[name][1]["target_layers"]
+    assert a.capture_ids == tuple(x + 1 for x in a.target_layers)
+    assert a.block_size == 6 and a.mask_token_id == 1 and a.n_vocab == V
+    w = load_safetensors(str(hf))
+    if "d2t" in w:
+        assert m.d2t.tolist() == (np.arange(w["d2t"].size) + w["d2t"]).tolist()
+        assert a.n_vocab_draft == w["d2t"].size < V
+    else:
+        assert m.d2t is None and a.n_vocab_draft == V
+    assert a.own_embd == (KINDS[name][0] == "deepspec")
+
+
+def test_cli_convert_draft(tmp_path, target):
+    from pyfast.cli import main
+
+    hf = make_hf_drafter(tmp_path / "hf", "speculators", n_vocab=V, target_n_embd=D_T, target_layers=[0, 2],
+                         n_target_layers=N_LAYER, markov_rank=4, n_vocab_draft=40)
+    out = tmp_path / "d.gguf"
+    assert main(["convert", "--draft", str(hf), str(out), "--outtype", "f16", "-q"]) == 0
+    m = BlockDrafterModel(out)
+    assert m.args.is_dspark and m.weights.dtype("blk.0.attn_q.weight") == native.DType.F16
+    assert m.weights.dtype("conf_proj.weight") == native.DType.F32
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.update(markov_head_type="gated"), "markov_head_type 'gated'"),
+    (lambda c: c.pop("mask_token_id"), "mask_token_id is missing"),
+    (lambda c: c.update(aux_hidden_state_layer_ids=[1, 1]), "repeat a layer"),
+    (lambda c: c["transformer_layer_config"].update(attention_bias=True), "attention_bias"),
+    (lambda c: c.pop("speculators_model_type"), "not a drafter checkpoint"),
+])
+def test_convert_refuses(tmp_path, edit, match):
+    import json
+
+    from pyfast.convert import convert_draft as convert_any
+
+    hf = make_hf_drafter(tmp_path / "hf", "speculators", n_vocab=V, target_n_embd=D_T, target_layers=[0, 2],
+                         n_target_layers=N_LAYER, markov_rank=4)
+    cfg = json.loads((hf / "config.json").read_text())
+    edit(cfg)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        convert_any(hf, tmp_path / "x.gguf")
+
+
+def test_drafter_target_mismatch_is_named(tmp_path, drafters):
+    other = tmp_path / "other.gguf"
+    write_tiny_llama(other, n_vocab=V + 8, n_embd=D_T, n_layer=N_LAYER, n_head=4, n_head_kv=2, n_ff=96)
+    with pytest.raises(ValueError, match="vocabulary of 96 tokens"):
+        BlockDrafter(BlockDrafterModel(drafters["dflash"][1]), Model(other), n_ctx=64)
+    short = tmp_path / "short.gguf"
+    write_tiny_llama(short, n_vocab=V, n_embd=D_T, n_layer=2, n_head=4, n_head_kv=2, n_ff=96)
+    with pytest.raises(ValueError, match="target_layers"):
+        BlockDrafter(BlockDrafterModel(drafters["dspark"][1]), Model(short), n_ctx=64)
+    with pytest.raises(ValueError, match="Markov head"):
+        BlockDrafter(BlockDrafterModel(drafters["dflash"][1]), Model(short), n_ctx=64, require_dspark=True)
