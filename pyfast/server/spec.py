@@ -49,8 +49,10 @@ class SpecConfig:
         return bool(self.types())
 
     def types(self) -> list[str]:
-        t = [x.strip() for x in (self.spec_type or "").split(",") if x.strip()]
-        if self.draft_model and "draft-model" not in t:
+        from pyfast.spec.config import ALIASES, FILE_TYPES
+
+        t = [ALIASES.get(x, x) for x in (x.strip() for x in (self.spec_type or "").split(",")) if x]
+        if self.draft_model and not any(x in FILE_TYPES for x in t):
             t.append("draft-model")
         return [x for x in t if x != "none"]
 
@@ -59,8 +61,8 @@ class SpecConfig:
             raise ValueError(f"--draft-max must be >= 1, got {self.n_max}")
         if self.n_min is not None and (self.n_min < 0 or (self.n_max is not None and self.n_min > self.n_max)):
             raise ValueError(f"--draft-min must be in [0, --draft-max], got {self.n_min}")
-        if not 0.0 <= self.p_min < 1.0:
-            raise ValueError(f"--draft-p-min must be in [0, 1), got {self.p_min}")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"--draft-p-min must be in [0, 1], got {self.p_min}")
         return self
 
     def decoder_config(self):
@@ -95,7 +97,10 @@ def build_proposers(cfg: SpecConfig, model, n_ctx: int, n_threads: int | None = 
         from pyfast.spec import make_proposers
 
         scfg = cfg.decoder_config()
-        scfg.types, scfg.draft_model = rest, cfg.draft_model if "draft-model" in rest else None
+        from pyfast.spec.config import FILE_TYPES
+
+        scfg.types = rest
+        scfg.draft_model = cfg.draft_model if any(x in FILE_TYPES for x in rest) else None
         out.extend(make_proposers(scfg, model, n_ctx, n_threads))
     return out
 
@@ -116,6 +121,7 @@ class _Foreign(Proposer):
         self.default_n_min = int(getattr(p, "default_n_min", Proposer.default_n_min))
         self.is_model = bool(getattr(p, "is_model", False))
         self.needs_hidden = bool(getattr(p, "needs_hidden", False))
+        self.capture_layers = tuple(getattr(p, "capture_layers", ()) or ())
         if hasattr(p, "bind_target"):
             self.bind_target = p.bind_target
 

@@ -16,8 +16,13 @@ from pyfast.spec.base import Proposer
 if TYPE_CHECKING:
     from pyfast.models import Model
 
-SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "draft-model", "draft-mtp")
-MODEL_TYPES = ("draft-model", "draft-mtp")  # drafters that run a model per draft token (default draft-max 3)
+SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "draft-model", "draft-mtp", "draft-eagle3", "draft-dflash",
+              "draft-dspark")
+# drafters that run a model per draft token or block (default draft-max 3)
+MODEL_TYPES = ("draft-model", "draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark")
+# the types whose drafter is the file given as draft_model (-md)
+FILE_TYPES = ("draft-model", "draft-eagle3", "draft-dflash", "draft-dspark")
+ALIASES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "dspark": "draft-dspark", "mtp": "draft-mtp"}
 
 
 @dataclass
@@ -28,7 +33,9 @@ class SpecConfig:
                   comma-separated string or a list of names from ``SPEC_TYPES`` and/or Proposer
                   instances. A draft_model adds "draft-model" when it is not listed. None: just
                   "draft-model" when a draft_model is given, else "ngram-simple".
-    draft_model:  GGUF path (or Model) of the drafter for "draft-model".
+    draft_model:  GGUF path (or Model) of the drafter for "draft-model", or of the head / block
+                  drafter for "draft-eagle3" (``pyfast convert --draft`` of an EAGLE-3 checkpoint),
+                  "draft-dflash" and "draft-dspark" (aliases "eagle3", "dflash", "dspark").
                   "draft-mtp" needs no file: it drafts with the target's own MTP (nextn) layers.
     draft_max:    longest draft (CLI --draft-max); None = each proposer's default (16 for n-gram,
                   3 for the draft model). With adaptive=True the upper bound of the chosen length.
@@ -56,8 +63,8 @@ class SpecConfig:
             t = [] if self.draft_model is not None else ["ngram-simple"]
         if isinstance(t, str):
             t = [x.strip() for x in t.split(",") if x.strip()]
-        t = list(t or [])
-        if self.draft_model is not None and "draft-model" not in t:
+        t = [ALIASES.get(x, x) if isinstance(x, str) else x for x in (t or [])]
+        if self.draft_model is not None and not any(x in FILE_TYPES for x in t):
             t.append("draft-model")
         return t
 
@@ -77,8 +84,13 @@ class SpecConfig:
             if t in seen:
                 raise ValueError(f"speculative type {t!r} is listed twice (--spec-type)")
             seen.add(t)
-        if "draft-model" in seen and self.draft_model is None:
-            raise ValueError("speculative type 'draft-model' needs a draft model (-md/--model-draft)")
+        for t in FILE_TYPES:
+            if t in seen and self.draft_model is None:
+                what = "a draft model" if t == "draft-model" else "its drafter GGUF"
+                raise ValueError(f"speculative type {t!r} needs {what} (-md/--model-draft)")
+        if len(seen & set(FILE_TYPES)) > 1:
+            raise ValueError(f"speculative types {sorted(seen & set(FILE_TYPES))} would all read the one drafter "
+                             "file (-md); list only one of them")
         for name in ("draft_max", "draft_min", "ngram_n", "ngram_mod_n", "draft_threads"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -94,8 +106,8 @@ class SpecConfig:
         if self.draft_min is not None and self.draft_max is not None and self.draft_min > self.draft_max:
             raise ValueError(f"--draft-min ({self.draft_min}) is larger than --draft-max ({self.draft_max})")
         p = self.draft_p_min
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0.0 <= p < 1.0:
-            raise ValueError(f"--draft-p-min must be in [0, 1), got {p!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"--draft-p-min must be in [0, 1], got {p!r}")
         if self.ngram_n < 1 or self.ngram_mod_n < 1:
             raise ValueError("n-gram key lengths (ngram_n, ngram_mod_n) must be >= 1")
         if self.draft_threads is not None and self.draft_threads < 1:
@@ -150,6 +162,14 @@ def make_proposers(cfg: SpecConfig, target: "Model", n_ctx: int, n_threads: int 
             from pyfast.spec.mtp import MTPProposer
 
             out.append(MTPProposer(target, n_ctx=n_ctx, n_threads=n_threads))
+        elif t == "draft-eagle3":
+            from pyfast.spec.eagle3 import make_eagle3
+
+            out.append(make_eagle3(cfg, target, n_ctx, n_threads))
+        elif t in ("draft-dflash", "draft-dspark"):
+            from pyfast.spec.dflash import make_block_drafter
+
+            out.append(make_block_drafter(t, cfg, target, n_ctx, n_threads))
     return out
 
 
