@@ -138,6 +138,8 @@ def _plan_meta(cfg: dict, fmt: str, path: str) -> dict[str, Any]:
             "sliding_attention" in lt:
         out["swa"] = int(tl["sliding_window"])
         out["swa_pattern"] = [t == "sliding_attention" for t in lt[: out["n_layer"]]]
+        # speculators: sliding layers are causal inside the block unless sliding_window_non_causal
+        out["swa_causal"] = fmt == "speculators" and not bool(cfg.get("sliding_window_non_causal", False))
     return out
 
 
@@ -255,6 +257,7 @@ def convert_draft(hf_dir, out_path, outtype: str = "f32", log: Callable[[str], N
     if hp.get("swa"):
         w.add(f"{a}.attention.sliding_window", hp["swa"], "uint32")
         w.add(f"{a}.attention.sliding_window_pattern", hp["swa_pattern"], "array[bool]")
+        w.add(f"{a}.attention.sliding_window_causal", bool(hp["swa_causal"]), "bool")
     w.add("general.file_type", file_type, "uint32")
     w.add("general.quantization_version", QUANTIZATION_VERSION, "uint32")
     for name, tid, shape, produce in tensors:

@@ -13,8 +13,10 @@ GGUF format (``general.architecture = "dflash"``; ``pyfast convert --draft`` wri
   ``rope.*``; ``dflash.block_size`` (default 16), ``dflash.mask_token_id``, ``dflash.target_layers``
   (target layer ids as "output of layer l", -1 = the embedding output), ``dflash.target_hidden_size``,
   ``dflash.vocab_size`` (the target's vocabulary), ``dflash.sample_from_anchor`` (bool; absent =
-  true for DSpark, false for DFlash), optional ``dflash.attention.sliding_window`` and
-  ``dflash.attention.sliding_window_pattern`` (one bool per layer, true = sliding);
+  true for DSpark, false for DFlash), optional ``dflash.attention.sliding_window`` (W: a sliding
+  layer's query at position p sees keys at positions > p - W), ``dflash.attention.sliding_window_pattern``
+  (one bool per layer, true = sliding) and ``dflash.attention.sliding_window_causal`` (sliding
+  layers causal inside the block; default false);
 * tensors: ``fc.weight`` [d, L * d_t], ``enc.output_norm.weight`` [d] (the encoder's norm),
   ``blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm, attn_k_norm, ffn_norm,
   ffn_gate, ffn_up, ffn_down}``, ``output_norm.weight``; optional ``token_embd.weight`` [V, d]
@@ -92,6 +94,7 @@ class BlockArgs:
     conf: str = ""                   # "": none, "h": hidden rows only, "hm": hidden + E1[prev]
     swa_window: int = 0
     swa_layers: tuple[bool, ...] = ()
+    swa_causal: bool = False         # sliding layers causal inside the block (speculators' default)
 
     @property
     def is_dspark(self) -> bool:
@@ -203,7 +206,8 @@ class BlockDrafterModel:
             rope=read_rope(m, a, index, n_rot, ROPE_NEOX), block_size=bs, mask_token_id=mask,
             target_layers=target_layers, target_n_embd=d_t, n_vocab=V, n_vocab_draft=V_d,
             sample_from_anchor=m.bool(f"{a}.sample_from_anchor", markov), qk_norm="blk.0.attn_q_norm.weight" in index,
-            own_embd=own_embd, own_head=own_head, markov_rank=R, conf=conf, swa_window=swa, swa_layers=pattern)
+            own_embd=own_embd, own_head=own_head, markov_rank=R, conf=conf, swa_window=swa, swa_layers=pattern,
+            swa_causal=m.bool(f"{a}.attention.sliding_window_causal", False) if swa else False)
         if V_d != V and "d2t" not in index:
             raise ValueError(f"{self.path}: the draft head has {V_d} rows but the vocabulary {V} tokens, and there "
                              "is no 'd2t' table mapping draft rows to target ids")
@@ -452,7 +456,7 @@ class BlockDrafter(Proposer):
         check_target(self.model, target)
         self.capture_layers = a.capture_ids
         self.default_n_max = a.n_read
-        self.n_ctx = int(n_ctx) + 8 * a.block_size
+        self.n_ctx = int(n_ctx)  # the cache gets room for the blocks of every sequence on top (_ensure)
         self.n_threads = n_threads
         self.kv_dtype = kv_dtype
         self.n_ubatch = max(1, int(n_ubatch))
@@ -493,7 +497,9 @@ class BlockDrafter(Proposer):
                 dt = self.target.kv.dtype
             else:
                 dt = DType.F16
-            self.kv = KVCache(a.n_layer, self.n_ctx, a.n_head_kv, a.head_dim, dt, device=self._device())
+            n_seq = max(8, int(getattr(self.target, "n_seq_max", 0) or 0))
+            self.kv = KVCache(a.n_layer, self.n_ctx + n_seq * a.block_size, a.n_head_kv, a.head_dim, dt,
+                              device=self._device())
         if self.pool is None:
             from pyfast.context import default_threads
 
@@ -705,6 +711,8 @@ class BlockDrafter(Proposer):
             plan.set_input("kv_order", slots.order)
             if a.swa_window:
                 win = allowed & (cpos[None, :] > pos[:, None] - a.swa_window)
+                if a.swa_causal:
+                    win &= cpos[None, :] <= pos[:, None]
                 plan.set_input("mask_swa", np.where(win, np.float32(0), np.float32(-np.inf)).astype(np.float32))
             if a.is_dspark:
                 plan.set_input("anchor", anchor)

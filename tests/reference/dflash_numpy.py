@@ -95,6 +95,10 @@ class BlockRef:
         self.D = int(tl.get("head_dim") or self.d // self.H)
         self.n_layer = int(tl["num_hidden_layers"])
         self.eps = float(tl.get("rms_norm_eps", 1e-6))
+        lt = tl.get("layer_types") or []
+        self.swa = int(tl["sliding_window"]) if tl.get("sliding_window") and "sliding_attention" in lt else 0
+        self.sliding = [t == "sliding_attention" for t in lt]
+        self.swa_causal = self.fmt == "speculators" and not cfg.get("sliding_window_non_causal", False)
         rp = tl.get("rope_parameters") or {}
         self.theta = float(rp.get("rope_theta", tl.get("rope_theta", 10000.0)))
         w = self.w
@@ -142,9 +146,15 @@ class BlockRef:
             q = rope_neox(rms(q, w[p + "self_attn.q_norm.weight"], eps), bpos, self.theta)
             kb, vb = self._ctx_kv(il, h, bpos)
             K, V = np.concatenate([kc, kb]), np.concatenate([vc, vb])
+            kpos = np.concatenate([cpos, bpos])
+            bias = np.zeros((self.block, kpos.size))
+            if self.swa and self.sliding[il]:  # a sliding layer sees keys at positions > p - W
+                bias[kpos[None, :] <= bpos[:, None] - self.swa] = -np.inf
+                if self.swa_causal:
+                    bias[kpos[None, :] > bpos[:, None]] = -np.inf
             o = np.zeros((self.block, self.H, self.D))
             for hh in range(self.H):
-                s = q[:, hh] @ K[:, hh // g].T / np.sqrt(self.D)
+                s = q[:, hh] @ K[:, hh // g].T / np.sqrt(self.D) + bias
                 s = np.exp(s - s.max(-1, keepdims=True))
                 o[:, hh] = (s / s.sum(-1, keepdims=True)) @ V[:, hh // g]
             x = x + o.reshape(self.block, -1) @ w[p + "self_attn.o_proj.weight"].T

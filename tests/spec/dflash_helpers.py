@@ -35,7 +35,7 @@ def make_hf_drafter(out_dir, fmt: str, *, n_vocab: int, target_n_embd: int, targ
                     n_target_layers: int, d: int | None = None, n_layer: int = 2, n_head: int = 4, n_head_kv: int = 2,
                     n_ff: int = 96, block: int = 6, mask: int = 1, markov_rank: int = 0, conf: str = "hm",
                     n_vocab_draft: int | None = None, sample_from_anchor: bool | None = None, seed: int = 0,
-                    scale: float = 1.0, bad_d2t: str | None = None) -> Path:
+                    scale: float = 1.0, bad_d2t: str | None = None, swa: tuple | None = None) -> Path:
     """A random drafter directory.
 
     fmt: "dflash" (z-lab), "deepspec" (dense DSpark: own embed_tokens / lm_head) or "speculators"
@@ -44,6 +44,7 @@ def make_hf_drafter(out_dir, fmt: str, *, n_vocab: int, target_n_embd: int, targ
     conf: "hm" (confidence head on [hidden ; E1[prev]]), "h" (hidden only) or "" (none).
     scale: weight scale of the layers (larger: sharper, more varied draft logits).
     bad_d2t: "dup" / "range" writes a broken table (load must refuse it).
+    swa: (window, [layer is sliding, ...]) for sliding-window draft layers.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,6 +75,9 @@ def make_hf_drafter(out_dir, fmt: str, *, n_vocab: int, target_n_embd: int, targ
                  "num_key_value_heads": n_head_kv, "head_dim": D, "intermediate_size": n_ff, "rms_norm_eps": 1e-6,
                  "rope_theta": 10000.0, "vocab_size": V, "max_position_embeddings": 4096, "hidden_act": "silu",
                  "attention_bias": False, "tie_word_embeddings": False}
+    if swa:
+        layer_cfg.update(sliding_window=int(swa[0]), use_sliding_window=True,
+                         layer_types=["sliding_attention" if s else "full_attention" for s in swa[1]])
     if markov_rank:
         R = markov_rank
         w["markov_head.markov_w1.weight"] = (rng.standard_normal((V, R)) * 0.5).astype(np.float32)

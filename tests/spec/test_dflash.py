@@ -45,6 +45,8 @@ KINDS = {
     "dspark-reduced": ("speculators", dict(target_layers=[0, 2], markov_rank=8, n_vocab_draft=40)),
     "dspark-bonus": ("speculators", dict(target_layers=[2, 3], markov_rank=8, n_vocab_draft=40,
                                          sample_from_anchor=False, conf="h")),
+    "dflash-swa": ("dflash", dict(target_layers=[0, 2], swa=(4, [True, False]))),
+    "dspark-swa": ("speculators", dict(target_layers=[0, 2], markov_rank=4, swa=(5, [False, True]))),
 }
 
 
@@ -421,7 +423,7 @@ def test_sampling_run_is_exact_length(target, oracle):
 
 # --- converter ------------------------------------------------------------------------------------
 SFA = {"dflash": False, "dspark": True, "dspark-h": True, "dflash-reduced": False, "dspark-reduced": True,
-       "dspark-bonus": False}
+       "dspark-bonus": False, "dflash-swa": False, "dspark-swa": True}
 
 
 @pytest.mark.parametrize("name", list(KINDS))
