@@ -493,3 +493,47 @@ def test_drafter_target_mismatch_is_named(tmp_path, drafters):
         BlockDrafter(BlockDrafterModel(drafters["dspark"][1]), Model(short), n_ctx=64)
     with pytest.raises(ValueError, match="Markov head"):
         BlockDrafter(BlockDrafterModel(drafters["dflash"][1]), Model(short), n_ctx=64, require_dspark=True)
+
+
+# --- LLM / CLI ------------------------------------------------------------------------------------
+def test_llm_spec_types(tmp_path):
+    """LLM(speculative=SpecConfig(types=..., draft_model=drafter.gguf)) on the hybrid Qwen3.5 target:
+    draft-dspark, dflash (alias; auto-detects the DSpark file), ngram-simple before it, several
+    prompts in one batch, p_min 1 (no drafts): greedy output equal to plain decoding."""
+    from pyfast.llm import LLM
+    from tests.models.test_hybrid_common import fixture
+
+    path, _ = fixture("qwen35")
+    m = Model(path)
+    a = m.args
+    hf = make_hf_drafter(tmp_path / "hf", "deepspec", n_vocab=m.n_vocab, target_n_embd=a.n_embd,
+                         target_layers=[0, a.n_layer - 1], n_target_layers=a.n_layer, markov_rank=8, block=6)
+    convert_draft(hf, tmp_path / "ds.gguf")
+    prompts = [[5, 9, 13, 2, 77, 31, 8], [3, 4], [100] * 5]
+    base = LLM(path, n_ctx=256, n_threads=2)
+    want = [base.generate(p, max_tokens=12, temperature=0, ignore_eos=True).tokens for p in prompts]
+    for types, p_min in (("draft-dspark", 0.0), ("ngram-simple,dflash", 0.0), ("dspark", 1.0)):
+        cfg = SpecConfig(types=types, draft_model=str(tmp_path / "ds.gguf"), draft_max=4, draft_p_min=p_min)
+        llm = LLM(path, n_ctx=256, n_threads=2, speculative=cfg)
+        got = [llm.generate(p, max_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
+        assert [r.tokens for r in got] == want, types
+        drafted = sum(r.spec.by_proposer.get("draft-dspark").drafted for r in got
+                      if "draft-dspark" in r.spec.by_proposer)
+        assert (drafted == 0) == (p_min == 1.0)
+        outs = llm.generate_batch(prompts, max_tokens=12, temperature=0, ignore_eos=True)
+        assert [o.tokens for o in outs] == want
+
+
+def test_cli_generate_with_drafter(tmp_path, capsys):
+    from pyfast.cli import main
+    from tests.models.test_hybrid_common import fixture
+
+    path, _ = fixture("qwen35")
+    m = Model(path)
+    hf = make_hf_drafter(tmp_path / "hf", "dflash", n_vocab=m.n_vocab, target_n_embd=m.args.n_embd,
+                         target_layers=[1, 2], n_target_layers=m.args.n_layer, block=4)
+    assert main(["convert", "--draft", str(hf), str(tmp_path / "d.gguf"), "-q"]) == 0
+    assert main(["generate", "-m", str(path), "-md", str(tmp_path / "d.gguf"), "--spec-type", "draft-dflash",
+                 "-p", "hello world", "-n", "8", "--temp", "0", "-t", "2"]) == 0
+    cap = capsys.readouterr()
+    assert "by proposer: draft-dflash" in cap.out + cap.err
