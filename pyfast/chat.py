@@ -111,7 +111,7 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "",
-                 time_limit: float | None = None) -> None:
+                 time_limit: float | None = None, strip_bos: bool = False) -> None:
         from pyfast.chat_sandbox import DEFAULT_TIME_LIMIT
 
         self.time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
@@ -119,6 +119,9 @@ class ChatTemplate:
         self.source = CHATML_TEMPLATE if self.is_fallback else str(source)
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
+        # the tokenizer adds BOS itself: a BOS the template writes first is dropped (as llama.cpp
+        # does), so that templates starting with {{ bos_token }} (Gemma, Llama 3) give one BOS
+        self.strip_bos = bool(strip_bos)
         try:
             self._template = _env().from_string(self.source)
         except Exception as e:  # TemplateSyntaxError and friends
@@ -138,8 +141,11 @@ class ChatTemplate:
             raise ValueError(f"GGUF metadata {key!r} must be a string, got {type(src).__name__}")
         if name and src is None:
             raise ValueError(f"GGUF has no chat template named {name!r} ({key!r})")
+        add_bos = getattr(tokenizer, "add_bos", None) if tokenizer is not None else None
+        if add_bos is None:
+            add_bos = md.get("tokenizer.ggml.add_bos_token") is True
         return cls(src, bos_token=_token_text(md, tokenizer, "bos"),
-                   eos_token=_token_text(md, tokenizer, "eos"))
+                   eos_token=_token_text(md, tokenizer, "eos"), strip_bos=bool(add_bos))
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, *, time_limit: float | None = None,
@@ -184,7 +190,10 @@ class ChatTemplate:
                     raise sb.TemplateBudgetError(f"the rendered prompt is too large (over {_MAX_OUTPUT_CHARS} "
                                                  "characters)")
                 out.write(chunk)
-            return out.getvalue()
+            text = out.getvalue()
+            if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
+                text = text[len(self.bos_token):]
+            return text
         except RecursionError:
             raise ValueError("chat template error: recursion too deep") from None
         except MemoryError:

@@ -10,6 +10,10 @@ llama.cpp's on the same file:
 * ``llama`` vocabularies (SentencePiece BPE): merges derived from the token scores (the pair
   whose concatenation has the highest score merges first), ``<0xXX>`` byte fallback, spaces
   escaped to U+2581 and a space prefixed to each text fragment when ``add_space_prefix``.
+* ``gemma4`` vocabularies (SentencePiece-style BPE, as llama.cpp writes Gemma 4's): the file's
+  merges in their order over raw UTF-8 (no byte-level alphabet), spaces escaped to U+2581, no space
+  prefix, text split into runs of newlines and runs of other characters (a run of newlines that is
+  itself a token stays whole), ``<0xXX>`` byte fallback, BOS always added.
 * Control and user-defined tokens are matched in raw text before the model sees it. Control
   (and unknown) tokens only when ``special=True``; user-defined tokens always, as llama.cpp and
   HF do.
@@ -254,10 +258,12 @@ class Tokenizer:
             self.kind = "bpe"
         elif model == "llama":
             self.kind = "spm"
+        elif model == "gemma4":
+            self.kind = "spm-bpe"
         else:
             raise ValueError(
                 f"unsupported tokenizer model {model!r} in 'tokenizer.ggml.model' "
-                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+                "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece, 'gemma4' SentencePiece-style BPE)")
         self.model = model
 
         tokens = [_as_str(t) for t in _as_list(md, "tokenizer.ggml.tokens")]
@@ -335,7 +341,10 @@ class Tokenizer:
         pre_name = _as_str(pre_name) if pre_name is not None else None
         ignore_merges, add_bos_default = False, spm
         self.pre = None
-        if not spm:
+        if self.kind == "spm-bpe":
+            # as llama.cpp: the pre-tokenizer is Gemma 4's whatever the file says
+            pre_name = "gemma4"
+        elif not spm:
             if pre_name is None:
                 warnings.warn("GGUF has no 'tokenizer.ggml.pre'; using the 'default' BPE "
                               "pre-tokenizer (token ids may differ from the model's training)",
@@ -353,6 +362,8 @@ class Tokenizer:
         add_bos = _opt_bool(md, "tokenizer.ggml.add_bos_token")
         add_eos = _opt_bool(md, "tokenizer.ggml.add_eos_token")
         self.add_bos = add_bos_default if add_bos is None else add_bos
+        if self.kind == "spm-bpe" and not self.add_bos:
+            self.add_bos = True  # llama.cpp overrides a false add_bos_token for Gemma 4
         self.add_eos = False if add_eos is None else add_eos
         if self.add_bos and self._bos is None:
             raise ValueError("'tokenizer.ggml.add_bos_token' is true but the GGUF names no "
@@ -364,6 +375,8 @@ class Tokenizer:
         # llama.cpp only applies the space prefix to SPM vocabularies when encoding, but honours
         # the flag when decoding any vocabulary.
         self.add_space_prefix = spm if asp is None else asp
+        if self.kind == "spm-bpe":
+            self.add_space_prefix = False  # never for BPE vocabularies (llama.cpp)
 
         # ---- end-of-generation set and control-looking tokens (llama.cpp's text heuristics)
         forced_control: set[int] = set()
@@ -430,14 +443,17 @@ class Tokenizer:
             merges = _as_list(md, "tokenizer.ggml.merges", required=False)
             if merges is None:
                 raise ValueError("GGUF metadata is missing 'tokenizer.ggml.merges' "
-                                 "(required for a 'gpt2' BPE vocabulary)")
-            self._hf = self._build_bpe(merges, ignore_merges)
+                                 f"(required for a {model!r} BPE vocabulary)")
+            if self.kind == "spm-bpe":
+                self._hf = self._build_spm_bpe(merges)
+            else:
+                self._hf = self._build_bpe(merges, ignore_merges)
         self._hf_plain = None  # built on first encode(special=False)
         self._control_re = None  # control-token texts (encode_rendered)
         self._lock = threading.Lock()
 
     def _build_pieces(self) -> list[bytes]:
-        spm = self.kind == "spm"
+        spm = self.kind in ("spm", "spm-bpe")  # U+2581 stands for a space
         pieces: list[bytes] = []
         append = pieces.append
         for text, t in zip(self._tokens, self._types):
@@ -486,9 +502,7 @@ class Tokenizer:
                              "the vocabulary (duplicate or unmatchable token text)")
         return tok
 
-    def _build_bpe(self, merges: list, ignore_merges: bool):
-        from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers
-
+    def _merge_pairs(self, merges: list) -> list[tuple[str, str]]:
         vocab = self._vocab
         pairs = []
         bad = 0
@@ -506,7 +520,14 @@ class Tokenizer:
                 bad += 1
         if bad:
             warnings.warn(f"ignored {bad} malformed or out-of-vocabulary entries of "
-                          "'tokenizer.ggml.merges'", stacklevel=4)
+                          "'tokenizer.ggml.merges'", stacklevel=5)
+        return pairs
+
+    def _build_bpe(self, merges: list, ignore_merges: bool):
+        from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers
+
+        vocab = self._vocab
+        pairs = self._merge_pairs(merges)
         try:
             model = models.BPE(vocab, pairs, ignore_merges=ignore_merges)
         except Exception as e:  # pragma: no cover - tokenizers rejected the vocabulary
@@ -549,6 +570,31 @@ class Tokenizer:
             steps.append(normalizers.Prepend(" "))
         steps.append(normalizers.Replace(" ", _SPM_SPACE))
         tok.normalizer = normalizers.Sequence(steps)
+        return self._finish_hf(tok)
+
+    def _build_spm_bpe(self, merges: list):
+        """Gemma 4's SentencePiece-style BPE (llama.cpp's ``gemma4`` tokenizer model): spaces become
+        U+2581, the text is split into runs of newlines and runs of anything else, and each run is
+        merged over its UTF-8 characters in the order of the file's merges; a character no token
+        covers becomes its ``<0xXX>`` byte tokens. A run of newlines that is a token is taken whole
+        (llama.cpp's rule; matched here as an added token, longest first)."""
+        from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, models, normalizers, pre_tokenizers
+
+        vocab = self._vocab
+        pairs = self._merge_pairs(merges)
+        unk = self._tokens[self._unk] if self._unk is not None else None
+        try:
+            model = models.BPE(vocab, pairs, unk_token=unk, byte_fallback=True, fuse_unk=unk is not None)
+        except Exception as e:  # pragma: no cover
+            raise ValueError(f"invalid SentencePiece-style BPE vocabulary: {e}") from e
+        tok = HFTokenizer(model)
+        tok.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+        newline_runs = [t for t, i in vocab.items()
+                        if t and t.strip("\n") == "" and self._types[i] == _T_NORMAL and len(t) > 1]
+        if newline_runs:
+            tok.add_tokens([AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False,
+                                       special=False) for t in sorted(newline_runs, key=len, reverse=True)])
         return self._finish_hf(tok)
 
     # ------------------------------------------------------------------ properties

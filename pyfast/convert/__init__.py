@@ -136,9 +136,10 @@ def convert(hf_dir, out_path, mtp: bool = True, outtype: str = "f32",
     w.add("general.file_type", file_type, "uint32")
     w.add("general.quantization_version", QUANTIZATION_VERSION, "uint32")
     default_pre = getattr(fam, "DEFAULT_PRE", {}).get(arch) or ("qwen2" if arch == "qwen3next" else "qwen35")
-    tok = tokenizer_metadata(hf_dir, cfg, hp.n_vocab, default_pre)
+    tok = tokenizer_metadata(hf_dir, cfg, hp.n_vocab, default_pre, arch=arch)
     if tok is None:
-        warnings.warn(f"{hf_dir}: no tokenizer.json; the GGUF file gets no tokenizer metadata", stacklevel=2)
+        warnings.warn(f"{hf_dir}: no tokenizer.json or tokenizer.model; the GGUF file gets no tokenizer metadata",
+                      stacklevel=2)
     else:
         for key, value, typ in tok:
             w.add(key, value, typ)

@@ -1,6 +1,9 @@
-"""Tokenizer metadata for GGUF from a Hugging Face ``tokenizer.json`` (byte-level BPE).
+"""Tokenizer metadata for GGUF from a Hugging Face ``tokenizer.json`` (byte-level BPE) or a
+SentencePiece-style vocabulary (``tokenizer.json`` BPE over U+2581 pieces with byte fallback, or
+``tokenizer.model``: see :mod:`pyfast.convert.spm_tokenizer`, which writes ``llama`` / ``gemma4``
+vocabularies).
 
-Writes what llama.cpp's loader reads for ``gpt2``-type vocabularies:
+For byte-level BPE it writes what llama.cpp's loader reads for ``gpt2``-type vocabularies:
 
 * ``tokenizer.ggml.model`` = ``gpt2`` and ``tokenizer.ggml.pre`` (the pre-tokenizer name);
 * ``tokenizer.ggml.tokens`` / ``token_type``: one entry per id up to the model's vocabulary size.
@@ -28,20 +31,6 @@ _SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_t
                  "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id"}
 
 Meta = list[tuple[str, Any, str]]   # (key, value, GGUF type name)
-
-
-def _types(node) -> set:
-    """Every "type" value in a tokenizer.json component (pre_tokenizer, decoder, normalizer)."""
-    out = set()
-    if isinstance(node, dict):
-        if isinstance(node.get("type"), str):
-            out.add(node["type"])
-        for v in node.values():
-            out |= _types(v)
-    elif isinstance(node, list):
-        for v in node:
-            out |= _types(v)
-    return out
 
 
 def _read_json(path: str) -> Any:
@@ -104,25 +93,37 @@ def _token_content(entry: Any) -> str | None:
     return None
 
 
-def tokenizer_metadata(hf_dir: str, config: dict[str, Any], n_vocab: int, default_pre: str) -> Meta | None:
-    """The tokenizer metadata entries for ``hf_dir``, or None when it has no ``tokenizer.json``.
+def tokenizer_metadata(hf_dir: str, config: dict[str, Any], n_vocab: int, default_pre: str,
+                       arch: str | None = None) -> Meta | None:
+    """The tokenizer metadata entries for ``hf_dir``, or None when it has neither ``tokenizer.json``
+    nor ``tokenizer.model``.
 
     ``config`` is the model's config.json (special token ids are looked up in it, and in its
-    ``text_config``); ``n_vocab`` is the model's vocabulary size (the embedding rows).
+    ``text_config``); ``n_vocab`` is the model's vocabulary size (the embedding rows); ``arch`` the
+    GGUF architecture (Gemma 4 gets llama.cpp's ``gemma4`` vocabulary, Gemma 3 no space prefix).
     """
+    from pyfast.convert.spm_tokenizer import is_spm_style, spm_vocab_from_json, spm_vocab_from_model
+
     tj_path = os.path.join(hf_dir, "tokenizer.json")
+    sp_path = os.path.join(hf_dir, "tokenizer.model")
+    has_sp = os.path.isfile(sp_path)
     if not os.path.isfile(tj_path):
-        return None
-    tj = _read_json(tj_path)
-    model = tj.get("model") if isinstance(tj, dict) else None
-    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
-        raise ValueError(f"{tj_path}: only byte-level BPE tokenizers are supported")
-    # A BPE over SentencePiece pieces ("\u2581" for spaces, byte_fallback tokens; Gemma's, Llama 2's)
-    # would be written as byte-level BPE and tokenize wrongly: refuse it instead.
-    steps = _types(tj.get("pre_tokenizer")) | _types(tj.get("decoder"))
-    if "ByteLevel" not in steps and (model.get("byte_fallback") or "Metaspace" in steps | _types(tj.get("normalizer"))):
-        raise ValueError(f"{tj_path}: SentencePiece-style BPE tokenizers (Metaspace / byte_fallback, as Gemma's) "
-                         "are not supported yet: only byte-level BPE")
+        if not has_sp:
+            return None
+        tj: Any = {}
+        spm = spm_vocab_from_model(sp_path, n_vocab, arch, _looks_special)
+    else:
+        tj = _read_json(tj_path)
+        model = tj.get("model") if isinstance(tj, dict) else None
+        if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
+            raise ValueError(f"{tj_path}: only BPE tokenizers are supported (byte-level or SentencePiece-style)")
+        spm = None
+        if is_spm_style(tj):
+            # as llama.cpp: the sentencepiece model when there is one, except for Gemma 4 (merges)
+            spm = (spm_vocab_from_model(sp_path, n_vocab, arch, _looks_special) if has_sp and arch != "gemma4"
+                   else spm_vocab_from_json(tj, tj_path, n_vocab, arch, _looks_special))
+    if spm is not None:
+        return _spm_metadata(hf_dir, tj, config, n_vocab, spm)
 
     # ---- tokens and their types
     id_to_tok: dict[int, str] = {}
@@ -151,12 +152,45 @@ def tokenizer_metadata(hf_dir: str, config: dict[str, Any], n_vocab: int, defaul
             types.append(NORMAL)
     merges = [_merge_str(m) for m in model.get("merges") or []]
 
+    meta: Meta = [
+        ("tokenizer.ggml.model", "gpt2", "string"),
+        ("tokenizer.ggml.pre", detect_pre(tj, default_pre), "string"),
+        ("tokenizer.ggml.tokens", tokens, "array[string]"),
+        ("tokenizer.ggml.token_type", types, "array[int32]"),
+    ]
+    if merges:
+        meta.append(("tokenizer.ggml.merges", merges, "array[string]"))
+    content_to_id = {a["content"]: int(a["id"]) for a in (tj.get("added_tokens") or [])}
+    return meta + _common_metadata(hf_dir, tj, config, n_vocab, content_to_id, {})
+
+
+def _spm_metadata(hf_dir: str, tj: Any, config: dict[str, Any], n_vocab: int, spm: dict[str, Any]) -> Meta:
+    meta: Meta = [
+        ("tokenizer.ggml.model", spm["model"], "string"),
+        ("tokenizer.ggml.tokens", spm["tokens"], "array[string]"),
+        ("tokenizer.ggml.scores", spm["scores"], "array[float32]"),
+        ("tokenizer.ggml.token_type", spm["types"], "array[int32]"),
+    ]
+    if spm.get("merges"):
+        meta.append(("tokenizer.ggml.merges", spm["merges"], "array[string]"))
+    meta.append(("tokenizer.ggml.add_space_prefix", bool(spm["add_space_prefix"]), "bool"))
+    content_to_id: dict[str, int] = {}
+    for i, t in enumerate(spm["tokens"]):
+        content_to_id.setdefault(t, i)
+    defaults = {k[:-3]: v for k, v in (spm.get("special") or {}).items()}  # tokenizer.model's unk / bos / eos / pad
+    forced = {"bos": True} if spm["model"] == "gemma4" else {}  # llama.cpp always adds BOS for Gemma 4
+    return meta + _common_metadata(hf_dir, tj, config, n_vocab, content_to_id, defaults, forced)
+
+
+def _common_metadata(hf_dir: str, tj: Any, config: dict[str, Any], n_vocab: int, content_to_id: dict[str, int],
+                     defaults: dict[str, int], forced_add: dict[str, bool] | None = None) -> Meta:
+    """Special token ids, add_bos / add_eos and the chat template."""
+    tj = tj if isinstance(tj, dict) else {}
     # ---- special tokens
     tc_path = os.path.join(hf_dir, "tokenizer_config.json")
     tc = _read_json(tc_path) if os.path.isfile(tc_path) else {}
     if not isinstance(tc, dict):
         tc = {}
-    content_to_id = {a["content"]: int(a["id"]) for a in (tj.get("added_tokens") or [])}
     special: dict[str, int] = {}
     bos = _token_content(tc.get("bos_token")) or _token_content(tc.get("cls_token"))
     eos = _token_content(tc.get("eos_token")) or _token_content(tc.get("sep_token"))
@@ -174,6 +208,8 @@ def tokenizer_metadata(hf_dir: str, config: dict[str, Any], n_vocab: int, defaul
             tid = text_cfg.get(f"{typ}_token_id")
         if isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid < n_vocab:
             special[typ] = tid
+    for typ, tid in defaults.items():
+        special.setdefault(typ, tid)
 
     add: dict[str, bool] = {}
     post = tj.get("post_processor")
@@ -191,6 +227,7 @@ def tokenizer_metadata(hf_dir: str, config: dict[str, Any], n_vocab: int, defaul
         v = tc.get(f"add_{typ}_token")
         if isinstance(v, bool) and typ not in add:
             add[typ] = v
+    add.update(forced_add or {})
 
     # ---- chat template
     template = tc.get("chat_template")
@@ -203,14 +240,7 @@ def tokenizer_metadata(hf_dir: str, config: dict[str, Any], n_vocab: int, defaul
         elif os.path.isfile(cj):
             template = (_read_json(cj) or {}).get("chat_template")
 
-    meta: Meta = [
-        ("tokenizer.ggml.model", "gpt2", "string"),
-        ("tokenizer.ggml.pre", detect_pre(tj, default_pre), "string"),
-        ("tokenizer.ggml.tokens", tokens, "array[string]"),
-        ("tokenizer.ggml.token_type", types, "array[int32]"),
-    ]
-    if merges:
-        meta.append(("tokenizer.ggml.merges", merges, "array[string]"))
+    meta: Meta = []
     for typ, key in _SPECIAL_KEYS.items():
         if typ in special:
             meta.append((f"tokenizer.ggml.{key}", special[typ], "uint32"))

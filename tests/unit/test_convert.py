@@ -821,25 +821,34 @@ def test_regenerated_fixtures_match_committed(tmp_path, request):
                 np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5, err_msg=f"{name}: {k}")
 
 
-@pytest.mark.parametrize("change", ["metaspace", "byte_fallback"])
-def test_sentencepiece_style_tokenizer_is_refused(change, tmp_path):
-    """A BPE over SentencePiece pieces (Gemma's) is refused by name instead of being written as
-    byte-level BPE; the byte-level original converts."""
+@pytest.mark.parametrize("change", ["metaspace", "byte_fallback", "unigram"])
+def test_sentencepiece_style_tokenizer_is_not_byte_level(change, tmp_path):
+    """A BPE over SentencePiece pieces (Metaspace / byte fallback, as Gemma's) is written as a
+    SentencePiece vocabulary, never as byte-level BPE (tests/unit/test_tokenizer_spm.py checks the
+    ids); the byte-level original stays gpt2; a Unigram tokenizer.json is refused by name."""
     from pyfast.convert.hf_tokenizer import tokenizer_metadata
 
     src = FIX / "hf" / "qwen35"
     cfg = json.loads((src / "config.json").read_text())
     n_vocab = int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
     shutil.copytree(src, tmp_path / "m", ignore=shutil.ignore_patterns("*.safetensors"))
-    assert tokenizer_metadata(str(tmp_path / "m"), cfg, n_vocab, "qwen35") is not None
+    md = {k: v for k, v, _ in tokenizer_metadata(str(tmp_path / "m"), cfg, n_vocab, "qwen35")}
+    assert md["tokenizer.ggml.model"] == "gpt2"
     tj = json.loads((src / "tokenizer.json").read_text())
     if change == "metaspace":
         tj["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}
         tj["decoder"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}
-    else:
+    elif change == "byte_fallback":
         tj["pre_tokenizer"] = None
         tj["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]}
         tj["model"]["byte_fallback"] = True
+    else:
+        tj["model"] = {"type": "Unigram", "vocab": [["a", -1.0]], "unk_id": 0}
     (tmp_path / "m" / "tokenizer.json").write_text(json.dumps(tj))
-    with pytest.raises(ValueError, match="SentencePiece-style"):
-        tokenizer_metadata(str(tmp_path / "m"), cfg, n_vocab, "qwen35")
+    if change == "unigram":
+        with pytest.raises(ValueError, match="only BPE tokenizers"):
+            tokenizer_metadata(str(tmp_path / "m"), cfg, n_vocab, "qwen35")
+        return
+    md = {k: v for k, v, _ in tokenizer_metadata(str(tmp_path / "m"), cfg, n_vocab, "qwen35")}
+    assert md["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.scores" in md
+    assert md["tokenizer.ggml.add_space_prefix"] is (change == "metaspace")
