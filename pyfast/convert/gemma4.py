@@ -12,8 +12,11 @@ Conventions of the written file (what ``pyfast/models/gemma4.py`` reads):
   ``partial_rotary_factor`` share of pairs that rotate, 1e30 (no rotation) for the rest;
 * MoE block: ``router.proj`` -> ``ffn_gate_inp``, ``router.scale`` -> ``ffn_gate_inp.scale``,
   ``router.per_expert_scale`` -> ``ffn_down_exps.scale``, ``experts.gate_up_proj`` -> split
-  ``ffn_{gate,up}_exps``, ``pre/post_feedforward_layernorm_2 / _1`` -> ``ffn_pre_norm_2``,
-  ``ffn_post_norm_1 / _2``;
+  ``ffn_{gate,up}_exps``, ``pre_feedforward_layernorm_2`` / ``post_feedforward_layernorm_1 / _2`` ->
+  ``pre_ffw_norm_2`` / ``post_ffw_norm_1 / _2`` (llama.cpp's names);
+* the sliding layers' rope turns ``partial_rotary_factor`` of their head (``rope.dimension_count_swa``);
+  ``attention.sliding_window`` and ``attention.sliding_window_pattern`` are always written (llama.cpp
+  requires both for gemma4);
 * shared KV layers (``num_kv_shared_layers``) get no K / V tensors; a global layer whose values
   are its keys (``attention_k_eq_v``) gets no ``attn_v``.
 """
@@ -61,6 +64,7 @@ class HParams:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    partial_swa: float = 1.0  # share of a sliding layer's head that rotates
 
 
 def hparams(arch: str, config: dict[str, Any]) -> HParams:
@@ -109,7 +113,7 @@ def hparams(arch: str, config: dict[str, Any]) -> HParams:
         window=int(cfg.get("sliding_window") or 0), n_shared=n_shared, k_eq_v=bool(cfg.get("attention_k_eq_v")),
         n_per_layer=int(cfg.get("hidden_size_per_layer_input") or 0), eps=float(cfg.get("rms_norm_eps", 1e-6)),
         n_ctx=cfg.get("max_position_embeddings"), theta=float(full.get("rope_theta", 1e6)),
-        theta_swa=float(local.get("rope_theta", 10000.0)),
+        theta_swa=float(local.get("rope_theta", 10000.0)), partial_swa=float(local.get("partial_rotary_factor", 1.0)),
         partial=float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type", "proportional") ==
         "proportional" else 1.0,
         final_softcap=cfg.get("final_logit_softcapping"), tied=bool(cfg.get("tie_word_embeddings", True)),
@@ -173,9 +177,9 @@ def plan(hp: HParams, st: SafetensorsDir, mtp: bool = True) -> Plan:
             add(f"{b}.ffn_gate_exps.weight", (E, F, d), gate)
             add(f"{b}.ffn_up_exps.weight", (E, F, d), up)
             add(f"{b}.ffn_down_exps.weight", (E, d, F), down)
-            add(f"{b}.ffn_pre_norm_2.weight", (d,), src.get(f"{p}.pre_feedforward_layernorm_2.weight", (d,)))
-            add(f"{b}.ffn_post_norm_1.weight", (d,), src.get(f"{p}.post_feedforward_layernorm_1.weight", (d,)))
-            add(f"{b}.ffn_post_norm_2.weight", (d,), src.get(f"{p}.post_feedforward_layernorm_2.weight", (d,)))
+            add(f"{b}.pre_ffw_norm_2.weight", (d,), src.get(f"{p}.pre_feedforward_layernorm_2.weight", (d,)))
+            add(f"{b}.post_ffw_norm_1.weight", (d,), src.get(f"{p}.post_feedforward_layernorm_1.weight", (d,)))
+            add(f"{b}.post_ffw_norm_2.weight", (d,), src.get(f"{p}.post_feedforward_layernorm_2.weight", (d,)))
         if P:
             add(f"{b}.inp_gate.weight", (P, d), src.get(f"{p}.per_layer_input_gate.weight", (P, d)))
             add(f"{b}.proj.weight", (d, P), src.get(f"{p}.per_layer_projection.weight", (d, P)))
@@ -206,13 +210,12 @@ def metadata(hp: HParams, n_mtp: int) -> list[tuple[str, Any, str]]:
     u32("attention.key_length_swa", Ds)
     u32("attention.value_length_swa", Ds)
     u32("rope.dimension_count", D)
-    u32("rope.dimension_count_swa", Ds)
+    u32("rope.dimension_count_swa", int(Ds * hp.partial_swa))
     m.append((f"{a}.rope.freq_base", hp.theta, "float32"))
     m.append((f"{a}.rope.freq_base_swa", hp.theta_swa, "float32"))
     m.append((f"{a}.attention.layer_norm_rms_epsilon", hp.eps, "float32"))
-    if hp.window:
-        u32("attention.sliding_window", hp.window)
-        m.append((f"{a}.attention.sliding_window_pattern", list(hp.sliding), "array[bool]"))
+    u32("attention.sliding_window", hp.window)
+    m.append((f"{a}.attention.sliding_window_pattern", list(hp.sliding), "array[bool]"))
     u32("attention.shared_kv_layers", hp.n_shared)
     u32("embedding_length_per_layer_input", hp.n_per_layer)
     if hp.n_expert:

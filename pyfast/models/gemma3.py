@@ -65,7 +65,12 @@ class Args:
         if n_rot % 2:
             raise m.fail(f"{a}.rope.dimension_count", n_rot, "an even number")
         window = m.int(f"{a}.attention.sliding_window", 0, lo=0, hi=M.MAX_CTX)
-        if m.has(f"{a}.attention.sliding_window_pattern"):
+        if m.has(f"{a}.attention.sliding_window_pattern") and not isinstance(
+                md.get(f"{a}.attention.sliding_window_pattern"), (list, tuple)):
+            # an integer period n, as llama.cpp also reads it: layer i slides when i % n < n - 1
+            n_pat = m.int(f"{a}.attention.sliding_window_pattern", lo=0, hi=M.MAX_LAYERS)
+            swa = tuple(n_pat == 0 or i % n_pat < n_pat - 1 for i in range(n_layer))
+        elif m.has(f"{a}.attention.sliding_window_pattern"):
             pat = m.bool_list(f"{a}.attention.sliding_window_pattern")
             if len(pat) != n_layer:
                 raise m.fail(f"{a}.attention.sliding_window_pattern", pat, f"{n_layer} entries (one per layer)")

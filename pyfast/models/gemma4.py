@@ -17,8 +17,10 @@ attention geometry, shared KV layers and a per-layer output scale.
   soft-capped with ``final_logit_softcapping``.
 * MoE (``expert_count`` > 0, 26B-A4B): beside the dense FFN, a router on
   ``rms(x) * ffn_gate_inp.scale / sqrt(d)`` (softmax, top ``expert_used_count``, renormalised, times
-  the chosen experts' ``ffn_down_exps.scale``) weights GeGLU experts run on ``ffn_pre_norm_2(x)``;
-  the FFN output is ``ffn_post_norm_1(dense) + ffn_post_norm_2(experts)`` before ``post_ffw_norm``.
+  the chosen experts' ``ffn_down_exps.scale``) weights GeGLU experts run on ``pre_ffw_norm_2(x)``;
+  the FFN output is ``post_ffw_norm_1(dense) + post_ffw_norm_2(experts)`` before ``post_ffw_norm``
+  (llama.cpp's names; files from older pyfast converters call them ``ffn_pre_norm_2`` /
+  ``ffn_post_norm_1`` / ``ffn_post_norm_2``, also read).
 
 Tensor names are llama.cpp's (``per_layer_token_embd``, ``blk.N.inp_gate`` / ``proj`` /
 ``post_norm``, ``layer_output_scale``, a shared ``rope_freqs``); the per-type metadata keys
@@ -44,6 +46,8 @@ from pyfast.models.gemma3 import kv_slot, softcap, swa_mask
 from pyfast.models.rope import ROPE_NEOX, Rope
 
 ARCH = "gemma4"
+MOE_NORMS = ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")  # llama.cpp (src/llama-arch.cpp)
+MOE_NORMS_OLD = ("ffn_pre_norm_2", "ffn_post_norm_1", "ffn_post_norm_2")
 EXPORTS_HIDDEN = True
 F32 = native.DType.F32
 
@@ -73,6 +77,9 @@ class Args:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     merged_gate_up: bool = False  # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
+    # the MoE block's norms: llama.cpp's names (pre_ffw_norm_2, post_ffw_norm_1, post_ffw_norm_2), or
+    # the ffn_pre_norm_2 / ffn_post_norm_1 / ffn_post_norm_2 of files from older pyfast converters
+    moe_norms: tuple[str, str, str] = MOE_NORMS
 
     @property
     def kv_source(self) -> tuple[int, ...]:
@@ -111,7 +118,9 @@ class Args:
         n_expert = m.int(f"{a}.expert_count", 0, lo=0, hi=M.MAX_EXPERTS)
         moe = dict(n_expert=n_expert, n_expert_used=m.int(f"{a}.expert_used_count", lo=1, hi=n_expert),
                    n_ff_exp=m.int(f"{a}.expert_feed_forward_length", lo=1, hi=M.MAX_FF),
-                   merged_gate_up="blk.0.ffn_gate_up_exps.weight" in weights) if n_expert else {}
+                   merged_gate_up="blk.0.ffn_gate_up_exps.weight" in weights,
+                   moe_norms=MOE_NORMS_OLD if f"blk.0.{MOE_NORMS_OLD[0]}.weight" in weights else MOE_NORMS
+                   ) if n_expert else {}
         n_embd = m.int(f"{a}.embedding_length", lo=1, hi=M.MAX_EMBD)
         n_layer = m.int(f"{a}.block_count", lo=1, hi=M.MAX_LAYERS)
         M.check_blocks(path, f"{a}.block_count", n_layer, weights)
@@ -197,8 +206,7 @@ def tensors(args: Args) -> list[TensorSpec]:
             E, F = args.n_expert, args.n_ff_exp
             specs += [TensorSpec(f"{p}.ffn_gate_inp.weight", (E, d)), TensorSpec(f"{p}.ffn_gate_inp.scale", (d,)),
                       TensorSpec(f"{p}.ffn_down_exps.scale", (E,)), TensorSpec(f"{p}.ffn_down_exps.weight", (E, d, F))]
-            specs += [TensorSpec(f"{p}.{n}.weight", (d,)) for n in ("ffn_pre_norm_2", "ffn_post_norm_1",
-                                                                    "ffn_post_norm_2")]
+            specs += [TensorSpec(f"{p}.{n}.weight", (d,)) for n in args.moe_norms]
             if args.merged_gate_up:
                 specs.append(TensorSpec(f"{p}.ffn_gate_up_exps.weight", (E, 2 * F, d)))
             else:
@@ -264,7 +272,7 @@ def attention(b: GraphBuilder, args: Args, i: int, h, kv_views: dict):
 def moe(b: GraphBuilder, args: Args, p: str, x):
     """The MoE block beside the dense FFN, on the layer's input x [T, d]: router on
     rms(x) * ffn_gate_inp.scale / sqrt(d) (softmax, top k, renormalised, times the chosen experts'
-    ffn_down_exps.scale), GeGLU experts on ffn_pre_norm_2(x). Returns [T, d] (before its post norm)."""
+    ffn_down_exps.scale), GeGLU experts on pre_ffw_norm_2(x). Returns [T, d] (before its post norm)."""
     g = b.g
     T, d, k, E = x.shape[0], args.n_embd, args.n_expert_used, args.n_expert
     r = g.scale(g.mul(g.rms_norm(x, args.eps), b.weight(f"{p}.ffn_gate_inp.scale")), d ** -0.5)
@@ -273,7 +281,7 @@ def moe(b: GraphBuilder, args: Args, p: str, x):
     w = g.softmax(g.gather(logits, ids))
     pes = g.get_rows(g.reshape(b.weight(f"{p}.ffn_down_exps.scale"), [E, 1]), g.reshape(ids, [T * k]))
     w = g.mul(w, g.reshape(pes, [T, k]))
-    h = b.norm(x, f"{p}.ffn_pre_norm_2.weight", args.eps)
+    h = b.norm(x, f"{p}.{args.moe_norms[0]}.weight", args.eps)
     if b.has(f"{p}.ffn_gate_up_exps.weight"):
         gu = g.matmul_id(h, b.weight(f"{p}.ffn_gate_up_exps.weight"), ids)             # [T, k, 2F]
         F = gu.shape[2] // 2
@@ -312,8 +320,8 @@ def build(b: GraphBuilder, args: Args):
         hf = b.linear(g.mul(g.gelu(b.linear(hf, f"{p}.ffn_gate.weight")), b.linear(hf, f"{p}.ffn_up.weight")),
                       f"{p}.ffn_down.weight")
         if args.n_expert:
-            hf = g.add(b.norm(hf, f"{p}.ffn_post_norm_1.weight", args.eps),
-                       b.norm(moe(b, args, p, x), f"{p}.ffn_post_norm_2.weight", args.eps))
+            hf = g.add(b.norm(hf, f"{p}.{args.moe_norms[1]}.weight", args.eps),
+                       b.norm(moe(b, args, p, x), f"{p}.{args.moe_norms[2]}.weight", args.eps))
         x = g.add(x, b.norm(hf, f"{p}.post_ffw_norm.weight", args.eps))
         if P:
             pe = g.view(ple, [T, P], [L * P * 4, 4], offset=i * P * 4)
