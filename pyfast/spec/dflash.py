@@ -718,7 +718,8 @@ class BlockDrafter(Proposer):
                 plan.set_input("anchor", anchor)
             plan.run()
             self.n_decodes += 1
-            res = self._read(plan, B)
+            # the logits rows are read only to sample or to cut at the top-1 probability
+            res = self._read(plan, B, any(not r.greedy or (r.p_min > 0.0 and not a.conf) for r in live))
         finally:
             for r, npast in zip(live, n_past.tolist()):
                 self.kv.truncate(r.seq, npast)     # the block's K/V are scratch
@@ -727,16 +728,18 @@ class BlockDrafter(Proposer):
         for i, r in enumerate(live):
             out[r.seq] = self._pick(r, i, B, res)
 
-    def _read(self, plan, B: int) -> dict:
-        """The plan's outputs as arrays: logits [n_read, B, V_d], tok [n_read, B] (draft rows),
-        conf (logits, [n_read, B]) or None."""
+    def _read(self, plan, B: int, need_logits: bool) -> dict:
+        """The plan's outputs as arrays: tok [n_read, B] (draft rows), conf (logits, [n_read, B])
+        or None, and logits [n_read, B, V_d] (None unless need_logits: greedy drafting without a
+        top-1 cut reads only the argmax)."""
         a = self.args
         n = a.n_read
+        need_logits = need_logits or self.trace is not None
         if not a.is_dspark:
-            logits = np.asarray(plan.output("logits")).reshape(n, B, -1)
+            logits = np.asarray(plan.output("logits")).reshape(n, B, -1) if need_logits else None
             tok = np.asarray(plan.output("argmax")).reshape(n, B)
             return dict(logits=logits, tok=tok, conf=None)
-        logits = np.stack([np.asarray(plan.output(f"logits.{j}")) for j in range(n)])
+        logits = np.stack([np.asarray(plan.output(f"logits.{j}")) for j in range(n)]) if need_logits else None
         tok = np.stack([np.asarray(plan.output(f"tok.{j}")).reshape(B) for j in range(n)])
         conf = (np.stack([np.asarray(plan.output(f"conf.{j}")).reshape(B) for j in range(n)])
                 if a.conf else None)
