@@ -14,6 +14,14 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     add_cache_type_arguments(p)
     add_control_vector_arguments(p)
     add_device_argument(p)
+    add_tp_argument(p)
+
+
+def add_tp_argument(p: argparse.ArgumentParser) -> None:
+    """--tp (generate, chat, perplexity, serve): tensor parallelism under mpirun."""
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="split the model over N processes started by `mpirun -np N pyfast ... --tp N` "
+                        "(rank 0 tokenizes, samples and serves; docs/tensor-parallel.md)")
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:
@@ -145,7 +153,7 @@ def _load(a):
     from pyfast.llm import LLM
 
     spec = _spec_config(a)  # checked before the model loads
-    return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec,
+    return LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, verbose=True, speculative=spec, tp=a.tp,
                cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a),
               **dsa_kwargs(a), **swa_kwargs(a))
 
@@ -217,7 +225,7 @@ def cmd_perplexity(a) -> int:
 
     with open(a.file, encoding="utf-8") as f:
         text = f.read()
-    llm = LLM(a.model, n_ctx=max(a.ctx_size, 512), n_threads=a.threads, verbose=True,
+    llm = LLM(a.model, n_ctx=max(a.ctx_size, 512), n_threads=a.threads, verbose=True, tp=a.tp,
               cache_type_k=a.cache_type_k, cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a),
               **dsa_kwargs(a), **swa_kwargs(a))
     res = llm.perplexity(text, n_ctx=a.ctx_size)
@@ -480,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
+        if getattr(args, "tp", 1) != 1:
+            from pyfast.parallel.tp import follower_main
+
+            if follower_main(args.tp):  # ranks 1.. of an mpirun world: mirror rank 0 until it stops
+                return 0
         return args.fn(args) or 0
     except (ValueError, RuntimeError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)

@@ -114,6 +114,9 @@ class LLM:
     "vulkan:0". The weights are uploaded to it once and the KV cache and recurrent state live in
     its memory; ops it has no kernel for run on the CPU. A device that does not exist is a
     ValueError naming it.
+    tp: tensor parallelism over this many processes started by ``mpirun -np tp`` (docs/
+    tensor-parallel.md): this process must be rank 0 (the others run ``pyfast.parallel.follow``);
+    the model's weights, KV cache and recurrent state are split by head over the ranks.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 4096,
@@ -121,7 +124,7 @@ class LLM:
                  speculative: SpecConfig | None = None, n_seq_max: int = 4, cache_type_k: str = "f16",
                  cache_type_v: str | None = None, control_vectors=None,
                  control_vector_layer_range: tuple[int, int] | None = None, device: str | None = None,
-                 dsa: bool | None = None, dsa_top_k: int = -1, swa_full: bool = True):
+                 dsa: bool | None = None, dsa_top_k: int = -1, swa_full: bool = True, tp: int = 1):
         from pyfast.chat import ChatTemplate
         from pyfast.device import open_device
         from pyfast.hub import resolve_model
@@ -132,7 +135,18 @@ class LLM:
         path = resolve_model(None if model is None else str(model), quiet=not verbose)
         self.model_path = str(path)
         # on a device the weights are uploaded from the file mapping (no host copy is kept)
-        self.model = Model(path, mmap=True) if dev is not None else Model(path)
+        self._tp_group = None
+        if tp is not None and tp > 1:
+            from pyfast.parallel.tp import leader_group, leader
+
+            if dev is not None or cvec is not None:
+                raise ValueError("tp: tensor parallelism runs on the CPU without control vectors for now")
+            self._tp_group = leader_group(tp)
+            self.model = leader(path, self._tp_group)
+        elif tp is not None and tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        else:
+            self.model = Model(path, mmap=True) if dev is not None else Model(path)
         if cvec is not None:
             self.model.set_control_vector(cvec, *(control_vector_layer_range or (None, None)))
         self.model.set_dsa(on=dsa, top_k=dsa_top_k)
@@ -151,7 +165,14 @@ class LLM:
         # draft-mtp reads the target's hidden rows: export them only when a proposer needs them
         from pyfast.spec.config import capture_layers, needs_hidden
 
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=max(n_ubatch, n_rollback + 1),
+        ctx_cls = Context
+        if self._tp_group is not None:
+            from functools import partial
+
+            from pyfast.parallel.tp import TPContext
+
+            ctx_cls = partial(TPContext, group=self._tp_group)
+        self.ctx = ctx_cls(self.model, n_ctx=n_ctx, n_threads=n_threads, n_ubatch=max(n_ubatch, n_rollback + 1),
                            n_seq_max=n_seq_max, n_rollback=n_rollback, export_hidden=needs_hidden(props),
                            capture_layers=capture_layers(props),
                            kv_dtype=cache_type_k, kv_dtype_v=cache_type_v, device=dev, swa_full=swa_full)

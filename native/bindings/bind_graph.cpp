@@ -124,6 +124,9 @@ void bind_graph(py::module_& m) {
            "x[..., K] @ w[N, K].T -> [..., N]")
       .def("add", [](G g, const Tensor& a, const Tensor& b) { return rec(g, [&](Graph& gr) { return gr.add(tid(*g, a), tid(*g, b)); }); })
       .def("mul", [](G g, const Tensor& a, const Tensor& b) { return rec(g, [&](Graph& gr) { return gr.mul(tid(*g, a), tid(*g, b)); }); })
+      .def("allreduce", [](G g, const Tensor& a, int comm) { return rec(g, [&](Graph& gr) { return gr.allreduce(tid(*g, a), comm); }); },
+           py::arg("a"), py::arg("comm"),
+           "The sum of a over the ranks of the communicator registered as `comm` (Communicator.id), f32.")
       .def("scale", [](G g, const Tensor& a, float s) { return rec(g, [&](Graph& gr) { return gr.scale(tid(*g, a), s); }); })
       .def("rms_norm", [](G g, const Tensor& a, float eps) { return rec(g, [&](Graph& gr) { return gr.rms_norm(tid(*g, a), eps); }); },
            py::arg("a"), py::arg("eps"))

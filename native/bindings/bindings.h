@@ -9,4 +9,5 @@ void bind_graph(pybind11::module_& m);  // Graph, Tensor handles, Plan
 void bind_gguf(pybind11::module_& m);   // GGUFFile reader
 void bind_quant(pybind11::module_& m);  // tensor quantization (pyfast quantize)
 void bind_device(pybind11::module_& m); // devices (backends)
+void bind_comm(pybind11::module_& m);   // communicators (tensor parallelism)
 }  // namespace pyfast_py

@@ -7,4 +7,5 @@ PYBIND11_MODULE(_native, m) {
   pyfast_py::bind_gguf(m);
   pyfast_py::bind_quant(m);
   pyfast_py::bind_device(m);
+  pyfast_py::bind_comm(m);
 }

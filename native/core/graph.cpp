@@ -1,6 +1,7 @@
 // Op constructors: each records one node after validating its arguments. Nothing is computed
 // here; errors are std::invalid_argument("[op] ...") so Python sees a ValueError naming the op.
 #include "pyfast/graph.h"
+#include "pyfast/comm.h"
 
 #include "cpu/quant/quant.h"
 
@@ -543,6 +544,14 @@ int Graph::gated_delta_net(int q, int k, int v, int g, int beta, int state, int 
   n.params.i[0] = broadcast;
   n.params.i[1] = chunk_min;
   n.params.i[2] = kda ? 1 : 0;
+  return push(std::move(n));
+}
+
+int Graph::allreduce(int a, int comm_id) {
+  need_dtype("allreduce", at(a), DType::F32, "a");
+  comm_get(comm_id);  // an unknown id fails here, not in the middle of a run
+  Node n = make_node(Op::allreduce, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a});
+  n.params.i[0] = comm_id;
   return push(std::move(n));
 }
 

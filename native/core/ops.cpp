@@ -16,7 +16,7 @@ constexpr OpInfo kOps[] = {
 
 // One row per op in ops.def plus `none`: a missing or extra row fails the build.
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == (size_t)Op::count, "op table out of sync with Op enum");
-static_assert((int)Op::count == 32, "update this count when adding an op to ops.def");
+static_assert((int)Op::count == 33, "update this count when adding an op to ops.def");
 
 const char* op_name(Op op) { return kOps[(int)op].name; }
 bool op_is_view(Op op) { return kOps[(int)op].is_view; }

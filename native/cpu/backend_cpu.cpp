@@ -9,11 +9,13 @@ size_t cpu_attention_work_size(const Node& dst, const Node* const* src, int nth)
 size_t cpu_ssm_work_size(const Node& dst, const Node* const* src, int nth);  // kernels/ssm.cpp
 size_t cpu_moe_work_size(const Node& dst, const Node* const* src, int nth);  // kernels/moe.cpp
 size_t cpu_argmax_work_size(const Node& dst, const Node* const* src, int nth);  // kernels/elementwise.cpp
+size_t cpu_allreduce_work_size(const Node& dst, const Node* const* src, int nth);  // kernels/comm.cpp
 
 size_t cpu_work_size(const Node& dst, const Node* const* src, int nth) {
   switch (dst.op) {
     case Op::matmul: return cpu_matmul_work_size(dst, src, nth);
     case Op::argmax: return cpu_argmax_work_size(dst, src, nth);
+    case Op::allreduce: return cpu_allreduce_work_size(dst, src, nth);
     case Op::attention: return cpu_attention_work_size(dst, src, nth);
     case Op::ssm_conv:
     case Op::gated_delta_net: return cpu_ssm_work_size(dst, src, nth);

@@ -75,6 +75,23 @@ class Model:
                 raise ValueError(f"{self.path}: tensor '{name}' has type {info.type_name}, "
                                  f"which this version of pyfast cannot compute with")
         self.weights = Weights(self.reader, in_memory=not self.mmap)
+        self.tp = None  # this rank's shard under tensor parallelism (enable_tp)
+
+    def enable_tp(self, group) -> None:
+        """Build every graph from this rank's slices of the weights (``pyfast/parallel``), with
+        an allreduce over ``group`` (a pyfast.parallel.Group) after each layer's mixer and FFN.
+        Memory (KV cache, recurrent state) then holds this rank's heads only."""
+        from pyfast.parallel.tp import Shard
+
+        if self._built:
+            raise ValueError("enable_tp: graphs of this model were already built; enable it before the first decode")
+        self.tp = Shard(self, group) if group.size > 1 else None
+
+    @property
+    def build_args(self):
+        """The hyper-parameters graphs are built with: this rank's head counts under tensor
+        parallelism, the model's otherwise."""
+        return self.args if self.tp is None else self.tp.args
 
     @property
     def n_vocab(self) -> int:
@@ -95,9 +112,9 @@ class Model:
             raise ValueError(f"{self.path}: architecture {self.arch.ARCH!r} cannot export hidden rows")
         capture = self.check_capture(capture)
         b = GraphBuilder(self.weights, shape, kv, rec=rec, export_hidden=export_hidden, control=self.control,
-                         kv_swa=kv_swa, capture=capture, n_layer=self.args.n_layer)
+                         kv_swa=kv_swa, capture=capture, n_layer=self.args.n_layer, tp=self.tp)
         self._built = True
-        logits = self.arch.build(b, self.args)
+        logits = self.arch.build(b, self.build_args)
         b.output_features()
         b.g.output(logits, "logits")
         b.g.output(b.g.argmax(logits), "argmax")  # greedy decoding reads this instead of the rows
@@ -170,15 +187,15 @@ class Model:
     def kv_geometry(self) -> tuple[int, int, int]:
         """(KV layers, kv heads, head dim) of the model's KV cache."""
         if hasattr(self.arch, "memory"):
-            s = self.arch.memory(self.args)
+            s = self.arch.memory(self.build_args)
             return len(s.attn_layers), s.n_head_kv, s.head_dim
-        a = self.args
+        a = self.build_args
         return a.n_layer, a.n_head_kv, a.head_dim
 
     def memory_spec(self) -> MemorySpec:
         """The memory this model needs: attention layers (KV cache) and recurrent layers."""
         if hasattr(self.arch, "memory"):
-            return self.arch.memory(self.args)
+            return self.arch.memory(self.build_args)
         n_layer, n_head_kv, head_dim = self.kv_geometry()
         return MemorySpec(attn_layers=tuple(range(n_layer)), n_head_kv=n_head_kv, head_dim=head_dim)
 

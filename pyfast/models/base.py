@@ -259,8 +259,9 @@ class GraphBuilder:
 
     def __init__(self, weights: Weights, shape: BatchShape, kv=None, rec=None, export_hidden: bool = False,
                  control: dict[int, np.ndarray] | None = None, kv_swa=None, capture: tuple[int, ...] = (),
-                 n_layer: int = 0):
+                 n_layer: int = 0, tp=None):
         self.g = native.Graph()
+        self.tp = tp  # pyfast.parallel.tp.Shard: this rank's slices and its communicator (None: no split)
         self.control_vectors = control or {}  # 0-based layer -> vector added to its output
         self.w = weights
         self.shape = shape
@@ -296,7 +297,11 @@ class GraphBuilder:
     def weight(self, name: str):
         t = self._wcache.get(name)
         if t is None:
-            t = self.g.external(name, self.w.dtype(name), list(self.w.shape(name)), self.w.data(name))
+            if self.tp is not None and self.tp.splits(name):
+                dt, shape, data, _ = self.tp.local(name)
+                t = self.g.external(name, dt, list(shape), data)
+            else:
+                t = self.g.external(name, self.w.dtype(name), list(self.w.shape(name)), self.w.data(name))
             self._wcache[name] = t
         return t
 
@@ -305,10 +310,53 @@ class GraphBuilder:
         key = name + "#mat"
         t = self._wcache.get(key)
         if t is None:
-            data, packed = self.w.matmul_data(name)
-            t = self.g.external(name, self.w.dtype(name), list(self.w.shape(name)), data, packed=packed)
+            if self.tp is not None and self.tp.splits(name):
+                dt, shape, data, packed = self.tp.local(name, mat=True)
+                t = self.g.external(name, dt, list(shape), data, packed=packed)
+            else:
+                data, packed = self.w.matmul_data(name)
+                t = self.g.external(name, self.w.dtype(name), list(self.w.shape(name)), data, packed=packed)
             self._wcache[key] = t
         return t
+
+    # --- tensor parallelism (pyfast/parallel) -----------------------------------------------
+    def reduce(self, x):
+        """The sum over the ranks of a partial result (a row-parallel product): x itself
+        without tensor parallelism. One after each mixer and one after each FFN."""
+        return x if self.tp is None else self.g.allreduce(x, self.tp.comm_id)
+
+    def tp_empty(self, name: str) -> bool:
+        """Whether this rank holds no slice of the block that weight `name` starts (it then
+        contributes zeros to the reduce instead of computing the block)."""
+        return self.tp is not None and self.tp.empty(name)
+
+    def zeros_like(self, x):
+        return self.g.scale(x, 0.0)
+
+    def head(self, x, name: str):
+        """The output head x @ W.T -> [n, n_vocab]; under tensor parallelism each rank computes
+        its rows of the vocabulary and the full rows are gathered by a zero-padded allreduce."""
+        if self.tp is None:
+            return self.linear(x, name)
+        g = self.g
+        key = "head:" + name
+        t = self._wcache.get(key)
+        if t is None:
+            dt, shape, data, packed = self.tp.local(key, mat=True)
+            t = self._wcache[key] = g.external(key, dt, list(shape), data, packed=packed)
+        _, v0, n, V = self.tp.head_range()
+        n_rows = x.shape[0]
+        y = g.matmul(x, t) if n else None                                # [n_rows, n]
+        for lo, width in ((0, v0), (v0 + n, V - v0 - n)):
+            if width <= 0:
+                continue
+            zeros = g.external(f"head_pad.{n_rows}x{width}", DType.F32, [n_rows, width],
+                               np.zeros((n_rows, width), np.float32))
+            if y is None:
+                y = zeros
+            else:
+                y = g.concat(zeros, y, 1) if lo == 0 else g.concat(y, zeros, 1)
+        return g.allreduce(y, self.tp.comm_id)                           # [n_rows, n_vocab]
 
     def has(self, name: str) -> bool:
         return name in self.w
@@ -329,6 +377,8 @@ class GraphBuilder:
     def ffn_swiglu(self, x, prefix: str, suffix: str = ""):
         """SwiGLU FFN of ffn_{gate,up,down}{suffix} (suffix "_shexp": the shared experts)."""
         g = self.g
+        if self.tp_empty(f"{prefix}.ffn_gate{suffix}.weight"):
+            return self.zeros_like(x)
         gate = self.linear(x, f"{prefix}.ffn_gate{suffix}.weight")
         up = self.linear(x, f"{prefix}.ffn_up{suffix}.weight")
         return self.linear(g.swiglu(gate, up), f"{prefix}.ffn_down{suffix}.weight")
@@ -489,7 +539,7 @@ def output_logits(b: GraphBuilder, args, x, norm=None):
         if b.export_hidden:
             b.g.output(x, "hidden")                                        # [T, d]
         x = b.select_outputs(x)
-    return b.linear(x, head_name(args))
+    return b.head(x, head_name(args))
 
 
 def read_blocks(m, arch: str, weights, path: str = "") -> tuple[int, int, int]:

@@ -186,6 +186,8 @@ def tensors(args: Args) -> list[TensorSpec]:
 def attention(b: GraphBuilder, args, p: str, h, il: int, rope: Rope | None = None, scale: float | None = None):
     """Self-attention of layer p over KV layer il. h: [T, d] (normed) -> [T, d]."""
     g = b.g
+    if b.tp_empty(f"{p}.attn_q.weight"):  # tensor parallelism: no heads of this layer on this rank
+        return b.zeros_like(h)
     T, hd = h.shape[0], args.head_dim
     q = g.reshape(b.linear(h, f"{p}.attn_q.weight", f"{p}.attn_q.bias"), [T, args.n_head, hd])
     k = g.reshape(b.linear(h, f"{p}.attn_k.weight", f"{p}.attn_k.bias"), [T, args.n_head_kv, hd])
@@ -215,8 +217,8 @@ def build(b: GraphBuilder, args: Args):
     x = b.embed("token_embd.weight")                                   # [T, d]
     for i in range(args.n_layer):
         p = f"blk.{i}"
-        x = g.add(x, attention(b, args, p, b.norm(x, f"{p}.attn_norm.weight", args.eps), i))
+        x = g.add(x, b.reduce(attention(b, args, p, b.norm(x, f"{p}.attn_norm.weight", args.eps), i)))
         if i == args.n_layer - 1 and not b.all_rows:
             x = b.select_outputs(x)                                    # [n_out, d]
-        x = b.control(g.add(x, ffn(b, args, p, b.norm(x, f"{p}.ffn_norm.weight", args.eps))), i)
+        x = b.control(g.add(x, b.reduce(ffn(b, args, p, b.norm(x, f"{p}.ffn_norm.weight", args.eps)))), i)
     return base.output_logits(b, args, x)                              # [n_out, n_vocab]

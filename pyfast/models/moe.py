@@ -57,6 +57,8 @@ def routed_experts(b: GraphBuilder, x, prefix: str, ids, w):
     chosen ids, weighted by w and summed. x: [T, d], ids / w: [T, k] -> [T, d]."""
     g = b.g
     T, k = ids.shape
+    if b.tp_empty(f"{prefix}.ffn_gate_exps.weight"):  # tensor parallelism: no expert columns on this rank
+        return b.zeros_like(x)
     if b.has(f"{prefix}.ffn_gate_up_exps.weight"):
         gu = g.matmul_id(x, b.weight(f"{prefix}.ffn_gate_up_exps.weight"), ids)  # [T, k, 2F]
         F = gu.shape[2] // 2

@@ -251,8 +251,9 @@ def conv_taps(b: GraphBuilder, name: str):
     key = name + "#taps"
     t = b._wcache.get(key)
     if t is None:
-        C, Kc = b.w.shape(name)
-        taps = b.w.derived(key, lambda: b.w.f32(name).T)                   # [Kc, C]
+        src = b.tp if b.tp is not None and b.tp.splits(name) else b.w      # this rank's rows under TP
+        taps = src.derived(key, lambda: src.f32(name).T)                   # [Kc, C]
+        Kc, C = taps.shape
         t = b._wcache[key] = b.g.permute(b.g.external(key, native.DType.F32, [Kc, C], taps), [1, 0])
     return t
 
@@ -260,6 +261,8 @@ def conv_taps(b: GraphBuilder, name: str):
 def attn_layer(b: GraphBuilder, args: Args, p: str, h, il_kv: int):
     """Gated full attention. h: [T, d] (normed) -> [T, d]. il_kv: this layer's KV-cache layer."""
     g = b.g
+    if b.tp_empty(f"{p}.attn_q.weight"):  # tensor parallelism: no heads of this layer on this rank
+        return b.zeros_like(h)
     T, H, hd = h.shape[0], args.n_head, args.head_dim
     qg = g.reshape(b.linear(h, f"{p}.attn_q.weight"), [T, H, 2 * hd])   # per head: [q | gate]
     st = list(qg.strides)
@@ -279,6 +282,8 @@ def attn_layer(b: GraphBuilder, args: Args, p: str, h, il_kv: int):
 def gdn_layer(b: GraphBuilder, args: Args, p: str, h, ir: int):
     """Gated-DeltaNet mixer. h: [T, d] (normed) -> [T, d]. ir: this layer's recurrent index."""
     g = b.g
+    if b.tp_empty(f"{p}.attn_qkv.weight"):  # tensor parallelism: no heads of this layer on this rank
+        return b.zeros_like(h)
     T, Hk, Hv, S = h.shape[0], args.n_k_heads, args.n_v_heads, args.state_size
     kd, vd = Hk * S, Hv * S
     qkv = b.linear(h, f"{p}.attn_qkv.weight")                              # [T, 2 kd + vd]
@@ -333,11 +338,11 @@ def build(b: GraphBuilder, args: Args):
         else:
             h = attn_layer(b, args, p, h, ia)
             ia += 1
-        x = g.add(x, h)
+        x = g.add(x, b.reduce(h))
         if i == args.n_layer - 1 and not b.all_rows:
             x = b.select_outputs(x)                                        # [n_out, d]
         h = norm(b, x, f"{p}.post_attention_norm.weight", args.eps)
-        x = b.control(g.add(x, ffn(b, args, p, h)), i)
+        x = b.control(g.add(x, b.reduce(ffn(b, args, p, h))), i)
     return base.output_logits(b, args, x, partial(norm, b))
 
 

@@ -54,6 +54,7 @@ ACCEPTS = {
     "matmul_id": {0: {F32}, 1: set(WEIGHT_TYPES), 2: {I32}},
     "ssm_conv": {0: {F32}, 1: {F32}, 2: {F32}, 3: {I32}},
     "gated_delta_net": {0: {F32}, 1: {F32}, 2: {F32}, 3: {F32}, 4: {F32}, 5: {F32}, 6: {I32}},
+    "allreduce": {0: {F32}},
 }
 
 
@@ -144,6 +145,8 @@ def _cases() -> list[Case]:
         Case("scale", (Arg((1,)),), {"s": -3.0}),
         Case("scale", (Arg((5, 7, 3), layout=permuted(1, 2, 0)),), {"s": 0.1}),
         Case("scale", (Arg((7, 65), layout=padded((1, 9), step=2)),), {"s": 1e-3}),
+        Case("allreduce", (Arg((7, 33)),), tol=EXACT),
+        Case("allreduce", (Arg((5, 7, 3), layout=permuted(1, 2, 0)),), tol=EXACT),
     ]
 
     # ---- rms_norm ---------------------------------------------------------------------------

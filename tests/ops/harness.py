@@ -599,6 +599,13 @@ def _view_build(g, t, dts, shape, strides=None, offset=0):
     return g.view(t[0], list(shape), bstr, elem_bytes(dt, offset))
 
 
+@functools.lru_cache(maxsize=None)
+def _local_comm():
+    from pyfast._loader import native
+
+    return native.Communicator.local()
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """How a case's op is built in a graph and what it computes (the numpy oracle).
@@ -692,6 +699,8 @@ OPS.update({
     "gelu": OpSpec(lambda g, t, d: g.gelu(t[0]),
                    lambda v, d: 0.5 * v[0] * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v[0] + 0.044715 * v[0] ** 3)))),
     "tanh": OpSpec(lambda g, t, d: g.tanh(t[0]), lambda v, d: np.tanh(v[0])),
+    # a one-rank communicator: the sum over the ranks is the input (tests/tp/ runs several ranks)
+    "allreduce": OpSpec(lambda g, t, d: g.allreduce(t[0], _local_comm().id), lambda v, d: v[0]),
     "l2_norm": OpSpec(lambda g, t, d, eps: g.l2_norm(t[0], eps),
                       lambda v, d, eps: v[0] / np.sqrt(np.sum(v[0] ** 2, axis=-1, keepdims=True) + f32(eps))),
     "concat": OpSpec(lambda g, t, d, axis: g.concat(t[0], t[1], axis),

@@ -1,0 +1,46 @@
+// Communicators for tensor parallelism: a sum-allreduce over the ranks of a group, used by the
+// `allreduce` op. A graph names its communicator by the integer id it was registered under, so a
+// compiled plan replays without holding Python objects.
+//
+// Implementations: `LocalComm` (one rank: a copy; the op harness and single-process runs) and
+// `MpiComm` (MPI_Allreduce through a function pointer and handles the caller resolved from the
+// MPI library already loaded in the process, e.g. by mpi4py: pyfast links no MPI library and
+// needs no MPI headers to build). The NCCL communicator for device buffers lives with the CUDA
+// backend (cuda/comm_nccl.cpp).
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace pyfast {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string kind() const = 0;
+  // recv[i] = sum over ranks of send[i], i < n (send and recv do not overlap), host memory.
+  virtual void allreduce_sum_f32(const float* send, float* recv, int64_t n) = 0;
+
+  // Time spent inside allreduce calls (wall clock, the calling thread), their number and bytes.
+  std::atomic<uint64_t> ns{0}, calls{0}, bytes{0};
+};
+
+// A process-wide table of communicators; ids are never reused.
+int comm_register(std::shared_ptr<Communicator> c);
+void comm_unregister(int id);
+// Throws std::invalid_argument when no communicator has this id.
+std::shared_ptr<Communicator> comm_get(int id);
+
+// A single rank: the sum is the input.
+std::shared_ptr<Communicator> make_local_comm();
+
+// MPI through the C API of an already loaded MPI library: `allreduce_fn` is the address of
+// MPI_Allreduce, `comm`, `dtype_float`, `op_sum` the handle values of the communicator,
+// MPI_FLOAT and MPI_SUM (pointers in Open MPI, ints in MPICH; both are passed in one register).
+std::shared_ptr<Communicator> make_mpi_comm(uintptr_t allreduce_fn, uintptr_t comm, uintptr_t dtype_float,
+                                            uintptr_t op_sum, int rank, int size);
+
+}  // namespace pyfast
