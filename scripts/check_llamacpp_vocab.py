@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Dev check (not part of the tests): load GGUF files with a llama.cpp shared library (libllama.so)
 and compare its tokenization with pyfast's, optionally loading the weights too (which checks that
-llama.cpp accepts every metadata key and tensor name and shape of the file).
+llama.cpp accepts every metadata key and tensor name and shape of the file) and comparing the
+logits of a token sequence decoded one token at a time.
 
-Usage: ``python scripts/check_llamacpp_vocab.py --lib /path/to/libllama.so [--weights] FILE.gguf ...``
+Usage: ``python scripts/check_llamacpp_vocab.py --lib /path/to/libllama.so [--weights] [--logits]
+FILE.gguf ...``
 
 Prints one line per file: how many of the strings gave the same ids (with and without special
-tokens), and whether the full model loaded. The ``llama_model_params`` layout below is the one of
-llama.h at the llama.cpp version the library was built from; check it when pointing at another.
+tokens), whether the full model loaded, and the largest logit difference relative to the largest
+logit. The ``llama_model_params`` / ``llama_batch`` layouts below are those of llama.h at the
+llama.cpp version the library was built from (``llama_context_params`` is passed through as
+returned); check them when pointing at another.
 """
 from __future__ import annotations
 
@@ -28,6 +32,39 @@ STRINGS = [
 ]
 
 
+class Batch(C.Structure):
+    _fields_ = [("n_tokens", C.c_int32), ("token", C.c_void_p), ("embd", C.c_void_p), ("pos", C.c_void_p),
+                ("n_seq_id", C.c_void_p), ("seq_id", C.c_void_p), ("logits", C.c_void_p)]
+
+
+class ContextParams(C.Structure):  # opaque: large enough for llama_context_params, passed back as is
+    _fields_ = [("n_ctx", C.c_uint32), ("rest", C.c_uint8 * 1020)]
+
+
+def llamacpp_logits(lib, model, tokens: list[int], n_vocab: int):
+    import numpy as np
+
+    cp = lib.llama_context_default_params()
+    cp.n_ctx = 256
+    # type_k / type_v (offsets 104 / 108 in llama_context_params) = GGML_TYPE_F32 (0): an F16 cache
+    # would move logits by ~1e-3 and can flip a near-tie MoE routing
+    for off in range(100, 108):
+        cp.rest[off] = 0
+    ctx = lib.llama_init_from_model(model, cp)
+    if not ctx:
+        return None
+    rows = []
+    for t in tokens:
+        arr = (C.c_int32 * 1)(t)
+        if lib.llama_decode(ctx, lib.llama_batch_get_one(arr, 1)) != 0:
+            lib.llama_free(ctx)
+            return None
+        ptr = lib.llama_get_logits_ith(ctx, -1)
+        rows.append(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy())
+    lib.llama_free(ctx)
+    return np.stack(rows)
+
+
 class ModelParams(C.Structure):
     _fields_ = [("devices", C.c_void_p), ("tensor_buft_overrides", C.c_void_p), ("n_gpu_layers", C.c_int32),
                 ("split_mode", C.c_int), ("load_mode", C.c_int), ("lazy_mode", C.c_int), ("main_gpu", C.c_int32),
@@ -41,6 +78,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lib", required=True, help="libllama.so")
     ap.add_argument("--weights", action="store_true", help="also load the full model")
+    ap.add_argument("--logits", action="store_true", help="also compare logits (implies --weights)")
     ap.add_argument("files", nargs="+")
     a = ap.parse_args()
     lib = C.CDLL(a.lib)
@@ -53,6 +91,16 @@ def main() -> int:
     lib.llama_tokenize.restype = C.c_int32
     lib.llama_tokenize.argtypes = [C.c_void_p, C.c_char_p, C.c_int32, C.POINTER(C.c_int32), C.c_int32, C.c_bool,
                                    C.c_bool]
+    lib.llama_context_default_params.restype = ContextParams
+    lib.llama_init_from_model.restype = C.c_void_p
+    lib.llama_init_from_model.argtypes = [C.c_void_p, ContextParams]
+    lib.llama_batch_get_one.restype = Batch
+    lib.llama_batch_get_one.argtypes = [C.POINTER(C.c_int32), C.c_int32]
+    lib.llama_decode.restype = C.c_int32
+    lib.llama_decode.argtypes = [C.c_void_p, Batch]
+    lib.llama_get_logits_ith.restype = C.POINTER(C.c_float)
+    lib.llama_get_logits_ith.argtypes = [C.c_void_p, C.c_int32]
+    lib.llama_free.argtypes = [C.c_void_p]
     lib.llama_backend_init()
 
     from pyfast.gguf import GGUFReader  # noqa: F401  (the tokenizer reads metadata through the model)
@@ -86,11 +134,27 @@ def main() -> int:
         lib.llama_model_free(m)
         line = f"{f}: {tok.model} vocabulary, {same}/{n} strings tokenized alike"
         bad_total += n - same
-        if a.weights:
+        if a.weights or a.logits:
             p = lib.llama_model_default_params()
             m = lib.llama_model_load_from_file(f.encode(), p)
             line += ", full model " + ("loaded" if m else "NOT loaded")
             bad_total += not m
+            if m and a.logits:
+                import numpy as np
+
+                from pyfast.context import Context
+
+                model = Model(f)
+                toks = tok.encode("abc cab dead bead. Hello world, hello there!")[:24]
+                want = llamacpp_logits(lib, m, toks, model.args.n_vocab)
+                if want is None:
+                    line += ", llama.cpp could not decode"
+                    bad_total += 1
+                else:
+                    got = Context(model, n_ctx=64, n_threads=2).decode(np.array(toks, np.int32), logits="all")
+                    rel = float(np.abs(got - want).max() / np.abs(want).max())
+                    same_argmax = int((got.argmax(1) == want.argmax(1)).sum())
+                    line += f", logits of {len(toks)} tokens: max rel diff {rel:.2e}, argmax equal {same_argmax}/{len(toks)}"
             if m:
                 lib.llama_model_free(m)
         print(line)
