@@ -22,9 +22,10 @@ from pyfast._loader import native
 class Group:
     """rank / size, ``comm`` (the native Communicator for Graph.allreduce) and ``bcast``."""
 
-    def __init__(self, rank: int, size: int, comm, bcast=None, barrier=None, kind: str = "local"):
+    def __init__(self, rank: int, size: int, comm, bcast=None, barrier=None, kind: str = "local", gather=None):
         self.rank, self.size, self.comm, self.kind = rank, size, comm, kind
         self._bcast = bcast
+        self._gather = gather
         self._barrier = barrier
 
     @property
@@ -34,6 +35,10 @@ class Group:
     def bcast(self, obj=None):
         """obj from rank 0 on every rank (picklable)."""
         return obj if self._bcast is None else self._bcast(obj)
+
+    def gather(self, obj):
+        """Every rank's obj as a list on rank 0 (None elsewhere)."""
+        return [obj] if self._gather is None else self._gather(obj)
 
     def barrier(self) -> None:
         if self._barrier is not None:
@@ -97,5 +102,5 @@ def mpi_group() -> Group:
     comm = native.Communicator.mpi(fn, MPI._handleof(world), MPI._handleof(MPI.FLOAT), MPI._handleof(MPI.SUM),
                                    world.Get_rank(), world.Get_size())
     _MPI_GROUP = Group(world.Get_rank(), world.Get_size(), comm, bcast=lambda o: world.bcast(o, root=0),
-                       barrier=world.Barrier, kind="mpi")
+                       barrier=world.Barrier, kind="mpi", gather=lambda o: world.gather(o, root=0))
     return _MPI_GROUP

@@ -120,11 +120,24 @@ def main(argv: list[str]) -> int:
 
     group = mpi_group()
     if group.rank != 0:
+        if argv[1:2] == ["--where"]:
+            import os
+            import socket
+
+            group.gather(os.readlink("/proc/self/ns/net"))
+            group.gather(socket.gethostname())
         tp.follow(group, lambda p, **o: tp.load_sharded(p, group, **o))
         return 0
     tp._register_stop(group)
     out_path, checks = argv[0], argv[1:]
     results = []
+    if checks and checks[0] == "--where":  # each rank's network namespace and host name
+        import os
+        import socket
+
+        checks = checks[1:]
+        results.append({"check": "where", "netns": group.gather(os.readlink("/proc/self/ns/net")),
+                        "host": group.gather(socket.gethostname())})
     for c in checks:
         kind, path = c.split(":", 1)
         if kind == "logits":
