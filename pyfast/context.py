@@ -49,8 +49,8 @@ class Context:
                    ``last_hidden`` (float32 [n_tokens, n_embd], caller's row order) for drafters
                    that consume it (MTP). Off by default; costs nothing when off.
     capture_layers: feature capture for drafters that read the target's intermediate rows
-                   (EAGLE-3, DFlash): layer ids l (the input of layer l, 1 <= l <= n_layer; id
-                   n_layer is the final hidden state before the output norm). Every decode then
+                   (EAGLE-3, DFlash): layer ids l (the input of layer l, 0 <= l <= n_layer; id 0
+                   is the token embedding, n_layer the final hidden state before the output norm). Every decode then
                    keeps ``last_features``, float32 [n_tokens, len(capture_layers) * n_embd] of
                    every row (caller's row order), layer-major in this order. Empty (default):
                    nothing is captured and the graphs are the plain ones.

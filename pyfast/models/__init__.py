@@ -167,13 +167,14 @@ class Model:
 
     def check_capture(self, layers) -> tuple[int, ...]:
         """Validate feature-capture layer ids (drafters that read the target's intermediate rows:
-        EAGLE-3, DFlash): id l is the input of layer l (the output of layer l - 1), 1 <= l <=
-        n_layer, id n_layer the last layer's output before the output norm. Returns the tuple."""
+        EAGLE-3, DFlash): id l is the input of layer l (the output of layer l - 1), 0 <= l <=
+        n_layer: id 0 the (scaled) token embedding, id n_layer the last layer's output before the
+        output norm. Returns the tuple."""
         out = tuple(int(l) for l in (layers or ()))
         n = self.args.n_layer
         for l in out:
-            if not 1 <= l <= n:
-                raise ValueError(f"feature capture: layer id {l} is outside [1, {n}] for {self.path} ({n} layers; "
+            if not 0 <= l <= n:
+                raise ValueError(f"feature capture: layer id {l} is outside [0, {n}] for {self.path} ({n} layers; "
                                  f"id l is the input of layer l, {n} the final hidden state before the output norm)")
         if len(set(out)) != len(out):
             raise ValueError(f"feature capture: layer ids {list(out)} repeat an id")

@@ -470,7 +470,8 @@ class GraphBuilder:
     def control(self, x, il: int):
         """x (the output of layer il, [T, n_embd]) plus that layer's control vector, if one is set
         (pyfast/control_vector.py); x itself otherwise. Every architecture calls it once per
-        layer, so it is also where layer il + 1's input is captured (``capture_layers``)."""
+        layer (and with il = -1 on the embedding), so it is also where layer il + 1's input is
+        captured (``capture_layers``)."""
         v = self.control_vectors.get(il)
         if v is not None:
             x = self.g.add(x, self.g.external(f"control.{il}", DType.F32, [v.size], v))

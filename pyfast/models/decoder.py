@@ -215,6 +215,7 @@ def build(b: GraphBuilder, args: Args):
     the post-final-norm hidden state of every row, when b.export_hidden)."""
     g = b.g
     x = b.embed("token_embd.weight")                                   # [T, d]
+    x = b.control(x, -1)  # (never a control vector here; captures layer 0's input when asked)
     for i in range(args.n_layer):
         p = f"blk.{i}"
         x = g.add(x, b.reduce(attention(b, args, p, b.norm(x, f"{p}.attn_norm.weight", args.eps), i)))

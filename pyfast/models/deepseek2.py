@@ -345,6 +345,7 @@ def build(b: GraphBuilder, args: Args, attn=None):
     g = b.g
     attn = attn or (lambda b, args, p, h, il: attn_layer(b, args, p, h, il))
     x = b.embed("token_embd.weight")                                       # [T, d]
+    x = b.control(x, -1)  # (never a control vector here; captures layer 0's input when asked)
     for i in range(args.n_layer):
         p = f"blk.{i}"
         x = g.add(x, attn(b, args, p, norm(b, x, f"{p}.attn_norm.weight", args.eps), i))

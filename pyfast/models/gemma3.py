@@ -172,6 +172,7 @@ def build(b: GraphBuilder, args: Args):
     post-final-norm hidden of every row, when b.export_hidden)."""
     g = b.g
     x = g.scale(b.embed("token_embd.weight"), math.sqrt(args.n_embd))   # [T, d]
+    x = b.control(x, -1)  # (never a control vector here; captures layer 0's input when asked)
     for i in range(args.n_layer):
         p = f"blk.{i}"
         swa = args.swa_layers[i]

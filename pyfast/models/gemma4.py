@@ -309,6 +309,7 @@ def build(b: GraphBuilder, args: Args):
     g = b.g
     d, P, L = args.n_embd, args.n_embd_per_layer, args.n_layer
     x = g.scale(b.embed("token_embd.weight"), math.sqrt(d))                           # [T, d]
+    x = b.control(x, -1)  # (never a control vector here; captures layer 0's input when asked)
     T = x.shape[0]
     ple = per_layer_inputs(b, args, x) if P else None
     kv_views: dict = {}

@@ -139,6 +139,7 @@ def build(b: GraphBuilder, args: Args):
     """Returns logits [n_out, n_vocab] for b.out_ids (and outputs "hidden" [T, d], the
     post-final-norm hidden of every row, when b.export_hidden)."""
     x = b.embed("token_embd.weight")                                     # [T, d]
+    x = b.control(x, -1)  # (never a control vector here; captures layer 0's input when asked)
     for i in range(args.n_layer):
         x = b.control(layer(b, args, i, x, i, last=i == args.n_layer - 1 and not b.all_rows), i)
     return base.output_logits(b, args, x)

@@ -38,7 +38,7 @@ def test_llama_layers_match_reference_two_sequences(tiny4):
     for t in (a, b):
         ref.forward(t)
         refs.append(dict(ref.layer_inputs))
-    layers = (2, 1, 4)   # any order; 4 = n_layer: before the output norm
+    layers = (2, 0, 4)   # any order; 0: the embedding, 4 = n_layer: before the output norm
     ctx = Context(model, n_ctx=64, n_threads=2, kv_dtype=native.DType.F32, capture_layers=layers)
     # the two sequences interleaved, prompt split over two decodes
     toks = np.concatenate([b[:2], a[:5], b[2:4]])
@@ -65,7 +65,7 @@ def test_llama_layers_match_reference_two_sequences(tiny4):
 def test_hybrid_final_layer_matches_transformers():
     model, ref = H.load("qwen35")
     n = model.args.n_layer
-    ctx = H.make_ctx(model, capture_layers=(n, 1))
+    ctx = H.make_ctx(model, capture_layers=(n, 0))
     a, b = ref["tokens_0"][:7], ref["tokens_1"][:5]
     ctx.decode(np.concatenate([a, b]), positions=list(range(7)) + list(range(5)), seq_ids=[0] * 7 + [1] * 5,
                logits="none")
@@ -75,7 +75,7 @@ def test_hybrid_final_layer_matches_transformers():
     assert rel(f[7:, :d], ref["hidden_prenorm_1"][:5]) < 1e-3
     # a recurrent target captures the same rows incrementally (verify-like runs) as in one prompt
     whole = f[:7].copy()
-    ctx2 = H.make_ctx(model, capture_layers=(n, 1))
+    ctx2 = H.make_ctx(model, capture_layers=(n, 0))
     ctx2.decode(a[:3], seq_ids=0, logits="none")
     parts = [ctx2.last_features.copy()]
     ctx2.decode(a[3:], positions=list(range(3, 7)), seq_ids=0, logits="all")
@@ -94,7 +94,7 @@ def test_plain_graph_unchanged_and_bad_ids(tiny4):
     assert ctx.capture_layers == () and not ctx._rows_out
     ctx.decode([1, 2, 3])
     assert ctx.last_features is None
-    for bad in [(0,), (5,), (2, 2)]:
+    for bad in [(-1,), (5,), (2, 2)]:
         with pytest.raises(ValueError, match="feature capture"):
             Context(model, n_ctx=32, capture_layers=bad)
 
