@@ -5,7 +5,7 @@
 //
 //   bench_matmul [--isa scalar|avx2|avx512|neon] [--threads 1,2] [--cold] [--cold-mib 512] [--min-time 0.3]
 //                [--dtypes Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32] [--m 1,512]
-//                [--no-avxvnni] [--no-dotprod] [--packed]
+//                [--no-avxvnni] [--no-dotprod] [--packed] [--shapes KxN,KxN,...]
 //
 // Calls are timed in batches inside one ThreadPool::run with a barrier after each call (as a
 // plan replays ops), so thread wake-up cost is not counted per call.
@@ -18,6 +18,7 @@
 //         hot at 64 MiB and about as slowly as at 512 MiB at 128 MiB. SmolLM2-135M Q4_1 holds
 //         98 MB of weights; at --cold-mib 100 or 115 a 1-row call read 44-49 GB/s at 2 threads,
 //         half the time of a DRAM-cold one.
+// --shapes: these K->N shapes instead of the built-in ones (e.g. a 1B model's 2048x2048,2048x8192,8192x2048).
 // --packed: Q4_0 / Q4_1 / Q8_0 weights in the packed x16 layout the model loader uses (quant.h).
 // For several-row decodes use e.g. --m 1,2,4,8,16,17; the us/call of M rows over that of M = 1
 // is what a verify batch costs relative to a plain decode step.
@@ -83,6 +84,10 @@ int main(int argc, char** argv) {
   bool cold = false, packed = false;
   int64_t cold_mib = 512;
   double min_time = 0.3;
+  std::vector<Shape2> shapes = {{576, 1536, "576->1536 (ffn up)"}, {1536, 576, "1536->576 (ffn down)"},
+                                {576, 49152, "576->49152 (lm_head)"}, {768, 2048, "768->2048"},
+                                {768, 49152, "768->49152"}};
+  std::vector<std::string> shape_names;
   std::vector<DType> dtypes = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q4_K,
                                DType::Q5_K, DType::Q6_K, DType::F16, DType::BF16, DType::F32};
   for (int i = 1; i < argc; ++i) {
@@ -118,6 +123,23 @@ int main(int argc, char** argv) {
         return 2;
       }
       ++i;
+    } else if (a == "--shapes") {
+      shapes.clear();
+      shape_names = split(v);
+      for (const std::string& t : shape_names) {
+        const size_t x = t.find('x');
+        const int64_t K = x == std::string::npos ? 0 : std::atoll(t.substr(0, x).c_str());
+        const int64_t N = x == std::string::npos ? 0 : std::atoll(t.substr(x + 1).c_str());
+        if (K < 1 || N < 1) {
+          std::fprintf(stderr, "--shapes: need KxN with K, N >= 1, got '%s'\n", t.c_str());
+          return 2;
+        }
+      }
+      for (const std::string& t : shape_names) {
+        const size_t x = t.find('x');
+        shapes.push_back({std::atoll(t.substr(0, x).c_str()), std::atoll(t.substr(x + 1).c_str()), t.c_str()});
+      }
+      ++i;
     } else if (a == "--packed") {
       packed = true;
     } else if (a == "--no-avxvnni") {
@@ -128,7 +150,7 @@ int main(int argc, char** argv) {
       min_time = std::atof(v);
       ++i;
     } else {
-      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--cold-mib N] [--min-time s] [--no-avxvnni] [--no-dotprod] [--packed]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--isa I] [--threads 1,2] [--m 1,512] [--dtypes ...] [--cold] [--cold-mib N] [--min-time s] [--no-avxvnni] [--no-dotprod] [--packed] [--shapes KxN,...]\n", argv[0]);
       return 2;
     }
   }
@@ -139,9 +161,6 @@ int main(int argc, char** argv) {
               min_time);
   std::printf("%-5s %-22s %5s %3s %6s %10s %9s %9s\n", "dtype", "shape (K->N)", "M", "thr", "mode", "us/call", "GB/s", "GFLOP/s");
 
-  const Shape2 shapes[] = {{576, 1536, "576->1536 (ffn up)"}, {1536, 576, "1536->576 (ffn down)"},
-                           {576, 49152, "576->49152 (lm_head)"}, {768, 2048, "768->2048"},
-                           {768, 49152, "768->49152"}};
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.0f, 1.0f);
 

@@ -167,11 +167,12 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
   mm::QJob j;
   j.a = a;
   j.scratch = reinterpret_cast<float*>(base + L.scratch + L.scratch_per_thread * (size_t)p.ith);
-  // Items in steps of about 1/16 of a share: with a barrier-free kernel (few rows) a share that
-  // finishes early takes the rest of a slower one (WorkRanges); otherwise the static split.
+  // Items in steps of about 1/16 of a share; a thread that finishes its share early takes the
+  // rest of a slower one (WorkRanges), whether the rows were quantized per thread (few rows) or
+  // shared after the barrier. Which thread computes an item does not change its result.
   const int64_t n_items = n_nc * n_mc;
   const int64_t step = n_items / ((int64_t)p.nth * 16) + 1;
-  WorkRanges wr(p.ith, p.nth, L.act_per_thread ? p.ranges : nullptr, n_items, step);
+  WorkRanges wr(p.ith, p.nth, p.ranges, n_items, step);
   int64_t it0, it1;
   while (wr.next(it0, it1)) {
     int wi = 0;

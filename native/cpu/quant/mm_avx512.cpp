@@ -405,6 +405,11 @@ PF_AVX512 void fill_ktables_avx512(const QCtx& c, float* dw, float* mw, int32_t*
 
 template <DType WT>
 constexpr int kXtRows = kIsK<WT> ? 4 : 8;  // activation rows per pass (accumulators in registers)
+// Q6_K passes over the stored blocks go one block at a time (eight weight vectors in registers
+// instead of sixteen), which leaves room for eight rows (bench_matmul, M = 512, 1B shapes: 1.11-1.13x;
+// Q4_K / Q5_K were no faster that way).
+template <DType WT>
+constexpr int kXtLoadRows = WT == DType::Q6_K ? 8 : kXtRows<WT>;
 // The most rows of one pass: a last single row joins the pass before it (32-block types: nine
 // accumulators still fit in the registers). A pass of one row would decode the chunk's weights
 // again for little work; verify batches of 8 and 16 drafted tokens are 9 and 17 rows.
@@ -415,6 +420,12 @@ constexpr int kXtJoin = kIsK<WT> ? kXtRows<WT> : kXtRows<WT> + 1;
 template <DType WT>
 inline int xt_pass_rows(int64_t left) {
   return left == kXtJoin<WT> ? kXtJoin<WT> : left < kXtRows<WT> ? (int)left : kXtRows<WT>;
+}
+// The same for K-quant passes over the stored blocks (no ninth row: fewer registers are free).
+template <DType WT>
+inline int xt_load_rows(int64_t left) {
+  if constexpr (!kIsK<WT>) return xt_pass_rows<WT>(left);
+  return left < kXtLoadRows<WT> ? (int)left : kXtLoadRows<WT>;
 }
 
 // Byte t of lane r = 0x10 where bit (4 * g + t) of the 32-bit value in lane r of qh is set.
@@ -564,7 +575,7 @@ PF_AVX512 PF_INLINE void xt_unpack(const QCtx& c, int64_t b, __m512i* w, __m512&
 // RM activation rows from m: y[m + i][n0 + r] for r < nv.
 template <DType WT, int RM, int MODE, bool PK = false>
 PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
-  constexpr int STEP = kStep<WT>;
+  constexpr int STEP = MODE == kLoad && WT == DType::Q6_K ? 1 : kStep<WT>;
   constexpr bool kOff = WT == DType::Q8_0 || kOffsetShift<WT> > 0;
   // Issue the rows' integer sums interleaved (below) rather than row by row: measured for packed
   // Q4_1 only (bench_matmul, 2 threads, hot: 2-17 rows 3-15% faster). Q4_0 / Q8_0 packed were
@@ -630,6 +641,7 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
         const int32_t* shp = kSbTables ? reinterpret_cast<const int32_t*>(sbt + 384) + (b & 7) * 16 : xb.shi + b * 16;
         const __m512 sl = _mm512_cvtepi32_ps(_mm512_load_si512(slp));
         const __m512 sh = _mm512_cvtepi32_ps(_mm512_load_si512(shp));
+#pragma GCC unroll 9
         for (int i = 0; i < RM; ++i) {
           const int8_t* x = xq[i] + b * QK;
           const size_t mi = mo[i] + (size_t)b * 4;
@@ -692,7 +704,9 @@ PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
                        int nv) {
   switch (rm) {
 #define PF_XT_CASE(R) \
-  case R: if constexpr (R <= kXtJoin<WT>) xt_pass<WT, R, MODE, PK>(c, xb, a, m, yv, n0, nv); break;
+  case R: \
+    if constexpr (R <= (MODE == kLoad && kIsK<WT> ? kXtLoadRows<WT> : kXtJoin<WT>)) xt_pass<WT, R, MODE, PK>(c, xb, a, m, yv, n0, nv); \
+    break;
     PF_XT_CASE(1) PF_XT_CASE(2) PF_XT_CASE(3) PF_XT_CASE(4) PF_XT_CASE(5) PF_XT_CASE(6) PF_XT_CASE(7) PF_XT_CASE(8)
     PF_XT_CASE(9)
 #undef PF_XT_CASE
@@ -712,7 +726,7 @@ PF_AVX512 void xt_decoded_passes(const QJob& j, const QCtx& c, const XtBuf& xb, 
   }
   xt_pass<WT, RX, kDecodeStore, PK>(c, xb, j.a, j.m0, j.y, j.n0, nv);
   for (int64_t m = j.m0 + RX, rm; m < j.m1; m += rm) {
-    rm = xt_pass_rows<WT>(j.m1 - m);
+    rm = xt_load_rows<WT>(j.m1 - m);
     xt_rows<WT, kLoad>(c, xb, j.a, m, (int)rm, j.y, j.n0, nv);
   }
 }
