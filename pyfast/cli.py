@@ -100,7 +100,8 @@ def _add_spec(p: argparse.ArgumentParser, bench: bool = False) -> None:
     if not bench:
         g.add_argument("--spec-type", default=None,
                        help="proposers, comma-separated in the order asked: ngram-simple, ngram-map-k, "
-                            "ngram-mod, draft-model, draft-mtp (the model's own MTP layers) "
+                            "ngram-mod, draft-model, draft-mtp (the model's own MTP layers), draft-eagle3 / "
+                            "draft-dflash / draft-dspark (-md: the drafter GGUF from pyfast convert --draft) "
                             "(default: off; -md alone means draft-model)")
     g.add_argument("-md", "--model-draft", default=None, help="draft model GGUF (same vocabulary as -m)")
     g.add_argument("--draft-max", type=int, default=None,
