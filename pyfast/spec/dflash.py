@@ -58,7 +58,7 @@ import numpy as np
 
 from pyfast._loader import native
 from pyfast.memory.kv_cache import KVCache
-from pyfast.models.base import BatchShape, GraphBuilder, TensorSpec, Weights
+from pyfast.models.base import BatchShape, GraphBuilder, TensorSpec, Weights, _elem_stride
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
 from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer
 
@@ -327,8 +327,6 @@ class _Builder(GraphBuilder):
         g, T = self.g, self.shape.n_tokens
         kv = self.kv
         H, n_ctx = kv.n_head_kv, kv.n_ctx
-        from pyfast.models.base import _elem_stride
-
         k_cache = g.external(f"cache_k.{il}", kv.dtype, [H * n_ctx, kv.head_dim], kv.k, offset=il * kv.k_layer_bytes)
         k_all = g.set_rows(k_cache, g.reshape(k, [T * H, kv.head_dim]), self.kv_idx)
         self.k_all[il] = k_all
