@@ -47,6 +47,7 @@ KINDS = {
                                          sample_from_anchor=False, conf="h")),
     "dflash-swa": ("dflash", dict(target_layers=[0, 2], swa=(4, [True, False]))),
     "dspark-swa": ("speculators", dict(target_layers=[0, 2], markov_rank=4, swa=(5, [False, True]))),
+    "dspark-emb": ("deepspec", dict(target_layers=[-1, 2], markov_rank=4)),   # -1: the embedding output
 }
 
 
@@ -441,7 +442,7 @@ def test_sampling_run_is_exact_length(target, oracle):
 
 # --- converter ------------------------------------------------------------------------------------
 SFA = {"dflash": False, "dspark": True, "dspark-h": True, "dflash-reduced": False, "dspark-reduced": True,
-       "dspark-bonus": False, "dflash-swa": False, "dspark-swa": True}
+       "dspark-bonus": False, "dflash-swa": False, "dspark-swa": True, "dspark-emb": True}
 
 
 @pytest.mark.parametrize("name", list(KINDS))
