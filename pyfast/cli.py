@@ -370,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_type_arguments(p)
     add_control_vector_arguments(p)
     add_device_argument(p)
+    add_tp_argument(p)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.set_defaults(fn=cmd_perplexity)
 
