@@ -257,3 +257,20 @@ def test_hostile_template_cannot_read_files(tmp_path):
         assert "TOP-SECRET-VALUE" not in str(ei.value)
     with pytest.raises(ValueError):
         ChatTemplate(f"{{{{ cycler.__init__.__globals__.open('{secret}').read() }}}}").render(CONVO)
+
+
+def test_template_bos_dropped_when_the_vocabulary_adds_it():
+    """A template that writes {{ bos_token }} first, for a vocabulary that adds BOS itself (Gemma,
+    Llama 3): the rendered text drops it (as llama.cpp does), so the prompt holds one BOS. Without
+    add_bos nothing changes."""
+    src = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    msgs = [{"role": "user", "content": "<bos>hi"}]
+    assert ChatTemplate(src, bos_token="<bos>", strip_bos=True).render(msgs) == "[<bos>hi]"
+    assert ChatTemplate(src, bos_token="<bos>").render(msgs) == "<bos>[<bos>hi]"
+    # a leading BOS text goes whoever wrote it (as in llama.cpp); the tokenizer then adds its own
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert ChatTemplate(plain, bos_token="<bos>", strip_bos=True).render(msgs) == "hi"
+    md = {"tokenizer.chat_template": src, "tokenizer.ggml.tokens": ["<pad>", "<bos>"],
+          "tokenizer.ggml.bos_token_id": 1}
+    assert ChatTemplate.from_metadata({**md, "tokenizer.ggml.add_bos_token": True}).render(msgs) == "[<bos>hi]"
+    assert ChatTemplate.from_metadata({**md, "tokenizer.ggml.add_bos_token": False}).render(msgs) == "<bos>[<bos>hi]"
