@@ -150,10 +150,9 @@ def spm_vocab_from_json(tj: dict[str, Any], path: str, n_vocab: int, arch: str |
 
     out: dict[str, Any] = {"tokens": tokens, "types": types, "scores": scores}
     if gemma4:
-        bad = [p for p in pairs if " " in p[0] or " " in p[1]]
-        if bad:
-            raise ValueError(f"{path}: merge {bad[0]!r} holds a space, which GGUF's 'left right' merges cannot "
-                             "represent")
+        # joined with a space as llama.cpp's converter writes them; a part holding a space (never in a
+        # U+2581 vocabulary) is then read back split at the first space after its first character,
+        # by llama.cpp and by pyfast alike
         out.update(model="gemma4", merges=[f"{a} {b}" for a, b in pairs], add_space_prefix=False)
     else:
         out.update(model="llama", merges=None, add_space_prefix=_adds_space_prefix(tj) and arch != "gemma3")
