@@ -25,8 +25,9 @@ class BenchResult:
     tps_median: float
     tps_stdev: float
     samples: list[float]
-    # Generation rows: the machine's measured read bandwidth with this many threads and the
-    # fraction of the bandwidth bound (every weight byte read once per token) reached.
+    # Generation rows: the machine's measured read bandwidth with this many threads (median of
+    # the probes taken right before each repetition) and the median over repetitions of the
+    # fraction of the bandwidth bound (decode_read_bytes per token at that probe's rate) reached.
     read_gbs: float | None = None
     bw_fraction: float | None = None
 
@@ -68,6 +69,31 @@ def read_bandwidth_gbs(n_threads: int, nbytes: int = 256 << 20) -> float:
     return native.read_bandwidth(nbytes, n_threads, 3) / 1e9
 
 
+def decode_read_bytes(model: Model, ctx: Context | None = None) -> int:
+    """Bytes one generated token reads from memory at the least: every weight once, except the
+    token-embedding table when the model has a separate output matrix (decode gathers one row of
+    it), and routed experts at expert_used_count / expert_count of their size (the share a token
+    picks per layer); plus, for recurrent models, the state of one sequence read and written
+    (conv and SSM planes of every recurrent layer, f32)."""
+    info = model.weights.info
+    md = model.metadata
+    arch = md.get("general.architecture", "")
+    n_exp = md.get(f"{arch}.expert_count")
+    n_used = md.get(f"{arch}.expert_used_count")
+    total = 0
+    for name, i in info.items():
+        if name == "token_embd.weight" and "output.weight" in info:
+            continue
+        if "_exps." in name and n_exp and n_used:
+            total += i.nbytes * int(n_used) // int(n_exp)
+        else:
+            total += i.nbytes
+    rec = getattr(ctx, "rec", None) if ctx is not None else None
+    if rec is not None:
+        total += 2 * rec.n_layer * (rec.geom.conv_elems + rec.geom.ssm_elems) * 4
+    return total
+
+
 def run_bench(model_path: str, pp: list[int], tg: list[int], threads: list[int], reps: int = 3,
               n_ctx: int = 2048, bandwidth: bool = True, device: str | None = None) -> list[BenchResult]:
     """device: run there ("vulkan:0"); the bandwidth bound is then the host's and is not printed."""
@@ -81,15 +107,24 @@ def run_bench(model_path: str, pp: list[int], tg: list[int], threads: list[int],
     results = []
     for nt in threads:
         ctx = Context(model, n_ctx=max(n_ctx, max(pp + tg, default=0) + 1), n_threads=nt, device=dev)
-        bw = read_bandwidth_gbs(nt) if bandwidth and dev is None and any(n > 0 for n in tg) else None
+        probe = bandwidth and dev is None
+        per_token = decode_read_bytes(model, ctx)
         for kind, sizes, fn in (("pp", pp, bench_pp), ("tg", tg, bench_tg)):
             for n in sizes:
                 if n <= 0:
                     continue
                 fn(ctx, min(n, 16), seed=123)  # warm-up (page in weights, build plans)
-                samples = [fn(ctx, n, seed=r) for r in range(reps)]
+                samples, probes = [], []
+                for r in range(reps):
+                    # The host's bandwidth can move by tens of percent within minutes: each
+                    # generation repetition is set against a probe taken right before it.
+                    if kind == "tg" and probe:
+                        probes.append(read_bandwidth_gbs(nt))
+                    samples.append(fn(ctx, n, seed=r))
                 med = statistics.median(samples)
-                frac = size * med / (bw * 1e9) if (kind == "tg" and bw) else None
+                bw = statistics.median(probes) if probes else None
+                frac = (statistics.median(per_token * t / (b * 1e9) for t, b in zip(samples, probes))
+                        if probes else None)
                 results.append(BenchResult(
                     model=model.name, size_mib=size / 2**20, n_params=n_params,
                     backend=f"CPU ({native.cpu_isa()})" if dev is None else dev.name, threads=nt, test=f"{kind}{n}", n_tokens=n,

@@ -65,9 +65,9 @@ Node& Graph::at(int id) {
 int Graph::push(Node n) {
   for (int i = 0; i < n.n_src; ++i)  // a packed weight is only read where its layout is known
     if (n.src[i] >= 0 && n.src[i] < (int)nodes_.size() && nodes_[n.src[i]].packed &&
-        !((n.op == Op::matmul && i == 1) || (n.op == Op::get_rows && i == 0)))
-      fail(op_name(n.op), "'" + nodes_[n.src[i]].name + "' is a packed weight: only matmul (as the weight) and "
-                          "get_rows (as the table) read it");
+        !(((n.op == Op::matmul || n.op == Op::matmul_id) && i == 1) || (n.op == Op::get_rows && i == 0)))
+      fail(op_name(n.op), "'" + nodes_[n.src[i]].name + "' is a packed weight: only matmul / matmul_id (as the "
+                          "weight) and get_rows (as the table) read it");
   n.id = (int)nodes_.size();
   nodes_.push_back(std::move(n));
   return nodes_.back().id;
@@ -112,9 +112,12 @@ int Graph::external(const std::string& name, DType t, const std::vector<int64_t>
     for (int i = 0; i < n.shape.ndim; ++i) n.shape.strides[i] = strides[i];
   }
   if (packed) {
-    if (!packable(t) || n.shape.ndim != 2 || n.shape.dims[0] % 16 != 0 || !strides.empty())
-      fail("external", "packed '" + name + "': needs a contiguous 2-D Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K "
-                       "tensor with rows a multiple of 16, got " + dtype_name(t) + " " + n.shape.str());
+    // 2-D [N, K], or 3-D [E, N, K] experts (each expert's N rows packed on their own, which is the
+    // layout of the [E * N, K] matrix since N % 16 == 0)
+    const int rows_dim = n.shape.ndim - 2;
+    if (!packable(t) || (n.shape.ndim != 2 && n.shape.ndim != 3) || n.shape.dims[rows_dim] % 16 != 0 || !strides.empty())
+      fail("external", "packed '" + name + "': needs a contiguous 2-D (or 3-D experts) Q4_0 / Q4_1 / Q8_0 / Q4_K / "
+                       "Q5_K / Q6_K tensor with rows a multiple of 16, got " + dtype_name(t) + " " + n.shape.str());
     n.packed = true;
   }
   n.kind = NodeKind::external;

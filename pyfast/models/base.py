@@ -139,7 +139,8 @@ class Weights:
 
     def _unpacked(self, name: str) -> np.ndarray:
         shape = self.shape(name)
-        out = native.unpack_x16(self.dtype(name), self._raw(name), int(shape[0]), int(shape[1])).reshape(-1)
+        rows = int(np.prod(shape[:-1]))  # 3-D experts: each expert's rows were packed on their own
+        out = native.unpack_x16(self.dtype(name), self._raw(name), rows, int(shape[-1])).reshape(-1)
         out.flags.writeable = False
         return out
 
@@ -153,7 +154,9 @@ class Weights:
     def matmul_data(self, name: str) -> tuple[np.ndarray, bool]:
         """The bytes of a weight read only by matmul / get_rows, and whether they are packed (x16,
         see cpu/quant/quant.h): an in-memory Q4_0 / Q4_1 / Q8_0 2-D tensor whose rows are a multiple
-        of 16 is packed in place the first time, unless it was handed out row-major before."""
+        of 16 is packed in place the first time, unless it was handed out row-major before. A 3-D
+        [E, N, K] expert tensor with N a multiple of 16 is packed as its [E * N, K] matrix, which
+        keeps every 16-row chunk inside one expert."""
         pk = self._pack
         if pk is None:
             return self.data(name), False
@@ -162,11 +165,11 @@ class Weights:
                 return self._raw(name), True
             shape = self.shape(name)
             dt = self.dtype(name)
-            if (name not in pk.row_major and len(shape) == 2 and shape[0] % 16 == 0 and native.packable(dt)
+            if (name not in pk.row_major and len(shape) in (2, 3) and shape[-2] % 16 == 0 and native.packable(dt)
                     and packing_enabled()):
                 arr = self._raw(name)
                 o = int(self.info[name].offset) - int(self.reader.data_offset)
-                native.pack_x16(dt, self._host[o: o + arr.size], int(shape[0]), int(shape[1]))
+                native.pack_x16(dt, self._host[o: o + arr.size], int(np.prod(shape[:-1])), int(shape[-1]))
                 pk.packed.add(name)
                 return arr, True
             pk.row_major.add(name)

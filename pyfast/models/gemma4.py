@@ -283,14 +283,14 @@ def moe(b: GraphBuilder, args: Args, p: str, x):
     w = g.mul(w, g.reshape(pes, [T, k]))
     h = b.norm(x, f"{p}.{args.moe_norms[0]}.weight", args.eps)
     if b.has(f"{p}.ffn_gate_up_exps.weight"):
-        gu = g.matmul_id(h, b.weight(f"{p}.ffn_gate_up_exps.weight"), ids)             # [T, k, 2F]
+        gu = g.matmul_id(h, b.mat_weight(f"{p}.ffn_gate_up_exps.weight"), ids)             # [T, k, 2F]
         F = gu.shape[2] // 2
         st = list(gu.strides)
         gate, up = g.view(gu, [T, k, F], st), g.view(gu, [T, k, F], st, offset=F * 4)
     else:
-        gate = g.matmul_id(h, b.weight(f"{p}.ffn_gate_exps.weight"), ids)              # [T, k, F]
-        up = g.matmul_id(h, b.weight(f"{p}.ffn_up_exps.weight"), ids)
-    down = g.matmul_id(g.mul(g.gelu(gate), up), b.weight(f"{p}.ffn_down_exps.weight"), ids)   # [T, k, d]
+        gate = g.matmul_id(h, b.mat_weight(f"{p}.ffn_gate_exps.weight"), ids)              # [T, k, F]
+        up = g.matmul_id(h, b.mat_weight(f"{p}.ffn_up_exps.weight"), ids)
+    down = g.matmul_id(g.mul(g.gelu(gate), up), b.mat_weight(f"{p}.ffn_down_exps.weight"), ids)   # [T, k, d]
     return g.sum(g.mul(down, g.reshape(w, [T, k, 1])), 1)
 
 

@@ -60,14 +60,14 @@ def routed_experts(b: GraphBuilder, x, prefix: str, ids, w):
     if b.tp_empty(f"{prefix}.ffn_gate_exps.weight"):  # tensor parallelism: no expert columns on this rank
         return b.zeros_like(x)
     if b.has(f"{prefix}.ffn_gate_up_exps.weight"):
-        gu = g.matmul_id(x, b.weight(f"{prefix}.ffn_gate_up_exps.weight"), ids)  # [T, k, 2F]
+        gu = g.matmul_id(x, b.mat_weight(f"{prefix}.ffn_gate_up_exps.weight"), ids)  # [T, k, 2F]
         F = gu.shape[2] // 2
         st = list(gu.strides)
         gate = g.view(gu, [T, k, F], st)
         up = g.view(gu, [T, k, F], st, offset=F * 4)
     else:
-        gate = g.matmul_id(x, b.weight(f"{prefix}.ffn_gate_exps.weight"), ids)   # [T, k, F]
-        up = g.matmul_id(x, b.weight(f"{prefix}.ffn_up_exps.weight"), ids)
-    down = g.matmul_id(g.swiglu(gate, up), b.weight(f"{prefix}.ffn_down_exps.weight"), ids)  # [T, k, d]
+        gate = g.matmul_id(x, b.mat_weight(f"{prefix}.ffn_gate_exps.weight"), ids)   # [T, k, F]
+        up = g.matmul_id(x, b.mat_weight(f"{prefix}.ffn_up_exps.weight"), ids)
+    down = g.matmul_id(g.swiglu(gate, up), b.mat_weight(f"{prefix}.ffn_down_exps.weight"), ids)  # [T, k, d]
     down = g.mul(down, g.reshape(w, [T, k, 1]))
     return g.sum(down, 1)                                                    # [T, d]

@@ -95,6 +95,37 @@ def test_packed_matmul_equals_row_major(dt, isa):
             _same(pl.output("y"), ref, f"{dname(dt)} {isa} M={M} threads={nt}")
 
 
+@pytest.mark.parametrize("dt,isa", [(d, i) for d in PACKABLE for i in QUANT_ISAS],
+                         ids=[f"{dname(d)}-{i}" for d in PACKABLE for i in QUANT_ISAS])
+def test_packed_experts_in_matmul_id(dt, isa):
+    """3-D experts [E, N, K] packed as their [E * N, K] matrix (N % 16 == 0): matmul_id gives the
+    row-major experts' results bit for bit, for decode (one token) and prompt-sized batches."""
+    E, N_, K, k = 5, 32, _cols(dt, 3), 2
+    w = _weight(dt, E * N_, K, 8)
+    p = _packed(w, dt)
+    rng = np.random.default_rng(9)
+    for T in (1, 3, 40):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+        out = {}
+        for pk in (False, True):
+            g = N.Graph()
+            we = g.external("w", dt, [E, N_, K], p if pk else w, packed=pk)
+            g.output(g.matmul_id(g.input("x", F32, [T, K]), we, g.input("ids", I32, [T, k])), "y")
+            pl = N.Plan(g, pool(2))
+            pl.set_input("x", x)
+            pl.set_input("ids", ids)
+            with using_isa(isa):
+                pl.run()
+            out[pk] = pl.output("y")
+        _same(out[True], out[False], f"{dname(dt)} {isa} T={T}")
+        # and each (token, slot) equals a plain matmul with that expert
+        for t, j in ((0, 0), (T - 1, k - 1)):
+            e = int(ids[t, j])
+            _same(out[True][t, j], run_matmul(x[t:t + 1], w[e * N_:(e + 1) * N_], dt, isa, 1)[0],
+                  f"{dname(dt)} {isa} T={T} ({t}, {j})")
+
+
 FUSED = {128: [(Q4_1, 32, True), (Q8_0, 16, False), (Q4_0, 16, True)],
          256: [(Q4_K, 32, True), (Q6_K, 16, False), (Q5_K, 16, True), (Q6_K, 16, True), (Q4_0, 16, True)]}
 
@@ -151,5 +182,7 @@ def test_packed_tensors_are_refused_elsewhere():
         g.external("q5_0", N.DType.Q5_0, [16, 256], np.zeros((16, 176), np.uint8), packed=True)
     with pytest.raises(ValueError, match="packed"):
         g.external("odd", Q4_1, [24, 64], np.zeros((24, 40), np.uint8), packed=True)
+    with pytest.raises(ValueError, match="packed"):  # experts whose rows are not a multiple of 16
+        g.external("odd_exps", Q4_1, [2, 24, 64], np.zeros((48, 40), np.uint8), packed=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         N.pack_x16(Q4_1, np.zeros((24, 40), np.uint8), 24, 64)

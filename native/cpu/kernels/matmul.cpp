@@ -163,7 +163,6 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
   }
   if (!L.act_per_thread) p.barrier();
   // Phase 2: this thread's work items.
-  auto gemm = isa == CpuIsa::avx512 ? mm::qgemm_avx512 : isa == CpuIsa::avx2 ? mm::qgemm_avx2 : isa == CpuIsa::neon ? mm::qgemm_neon : mm::qgemm_scalar;
   mm::QJob j;
   j.a = a;
   j.scratch = reinterpret_cast<float*>(base + L.scratch + L.scratch_per_thread * (size_t)p.ith);
@@ -191,21 +190,7 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
       j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
       j.m0 = mc * mm::kChunkM;
       j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
-      if (j.packed && isa != CpuIsa::avx512) {
-        // Only the avx512 kernels read the packed layout: the chunk's rows back to row-major first
-        // (a per-thread copy), then this ISA's kernel as usual.
-        thread_local std::vector<uint8_t> rows;
-        rows.resize((size_t)(cn * j.w_stride));
-        unpack_x16(w.dtype, j.w + j.n0 * j.w_stride, K, 0, (int)(j.n1 - j.n0), rows.data());
-        mm::QJob u = j;
-        u.packed = false;
-        // row n of u at rows + (n - n0) * stride (only rows n0 .. n1-1 are read)
-        u.w = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(rows.data()) -
-                                               (uintptr_t)(j.n0 * j.w_stride));
-        gemm(u);
-        continue;
-      }
-      gemm(j);
+      mm::qgemm_run(isa, j, K);
     }
   }
 }

@@ -359,11 +359,11 @@ void cpu_matmul_id(const ComputeParams& p, Node& dst, const Node* const* src) {
   const mm::RowView yv = tile_view(tile);
   mm::QJob qj;
   mm::FJob fj;
-  void (*qgemm)(const mm::QJob&) = isa == CpuIsa::avx512 ? mm::qgemm_avx512 : isa == CpuIsa::avx2 ? mm::qgemm_avx2 : isa == CpuIsa::neon ? mm::qgemm_neon : mm::qgemm_scalar;
   void (*fgemm)(const mm::FJob&) = isa == CpuIsa::avx512 ? mm::fgemm_avx512 : isa == CpuIsa::avx2 ? mm::fgemm_avx2 : isa == CpuIsa::neon ? mm::fgemm_neon : mm::fgemm_scalar;
   if (L.quant) {
     qj.wt = w.dtype;
     qj.w_stride = w.shape.strides[1];
+    qj.packed = w.packed;  // each expert's rows in x16 chunks (N % 16 == 0): a chunk starts at row n0
     qj.a = sq;
     qj.y = yv;
     qj.scratch = reinterpret_cast<float*>(thr);
@@ -398,7 +398,7 @@ void cpu_matmul_id(const ComputeParams& p, Node& dst, const Node* const* src) {
           qj.n1 = nv;
           qj.m0 = m0;
           qj.m1 = m1;
-          qgemm(qj);
+          mm::qgemm_run(isa, qj, K);
         } else {
           fj.w = we + n0 * fj.w_stride;
           fj.n0 = 0;

@@ -1,6 +1,7 @@
 // The packed ("x16") weight layout of quant.h: 16 rows per chunk, each block's fields (kPackFmt)
 // stored unit by unit for the 16 rows together. Packing only moves bytes.
 #include <cstring>
+#include <vector>
 
 #include "cpu/quant/quant.h"
 #include "pyfast/dtype.h"
@@ -53,5 +54,22 @@ void unpack_x16(DType t, const uint8_t* chunk, int64_t K, int r0, int nr, uint8_
     }
   }
 }
+
+namespace mm {
+
+void qgemm_run(CpuIsa isa, const QJob& j, int64_t K) {
+  auto gemm = isa == CpuIsa::avx512 ? qgemm_avx512 : isa == CpuIsa::avx2 ? qgemm_avx2 : isa == CpuIsa::neon ? qgemm_neon : qgemm_scalar;
+  if (!j.packed || isa == CpuIsa::avx512) return gemm(j);
+  thread_local std::vector<uint8_t> rows;
+  rows.resize((size_t)(kChunkN * j.w_stride));
+  unpack_x16(j.wt, j.w + j.n0 * j.w_stride, K, 0, (int)(j.n1 - j.n0), rows.data());
+  QJob u = j;
+  u.packed = false;
+  // row n of u at rows + (n - n0) * stride (only rows n0 .. n1-1 are read)
+  u.w = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(rows.data()) - (uintptr_t)(j.n0 * j.w_stride));
+  gemm(u);
+}
+
+}  // namespace mm
 
 }  // namespace pyfast

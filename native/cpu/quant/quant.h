@@ -258,6 +258,10 @@ void qgemm_neon(const QJob& j);
 // are exact). No-ops / false when not built for aarch64.
 void neon_use_dotprod(bool on);
 bool neon_uses_dotprod();
+// One work item with isa's kernel (scalar / avx2 / avx512 / neon). A packed chunk goes to the
+// kernels that do not read the packed layout (all but avx512) as a row-major copy of its rows
+// n0 .. n1-1 first (a thread-local buffer); K: the weight's columns.
+void qgemm_run(CpuIsa isa, const QJob& j, int64_t K);
 
 // One work item with an F32/F16/BF16 weight (x rows are f32, read in place).
 struct FJob {
