@@ -105,7 +105,8 @@ def main() -> int:
     ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions inside each round")
     ap.add_argument("-o", "--output", default=None, help="also write the markdown table here")
     a = ap.parse_args()
-    from pyfast.bench import read_bandwidth_gbs
+    from pyfast.bench import decode_read_bytes, read_bandwidth_gbs
+    from pyfast.models import Model
 
     models = a.model or default_models()
     lines = [f"Machine: {os.cpu_count()} CPUs; {a.rounds} alternating rounds x {a.reps} repetitions; "
@@ -115,10 +116,11 @@ def main() -> int:
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     start = ["", "| model | load -> first token, llama.cpp | pyfast | ratio | peak RSS llama.cpp | pyfast | difference |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    bw1 = read_bandwidth_gbs(1)
     for m in models:
         name = os.path.basename(m)
-        size = os.path.getsize(m)
+        # bytes one token reads (used experts only, no embedding table unless it is the output)
+        size = decode_read_bytes(Model(m, mmap=True))
+        bws = []
         ll: dict[str, list[float]] = {}
         pf: dict[str, list[float]] = {}
         ll1, pf1 = [], []
@@ -127,11 +129,13 @@ def main() -> int:
                 ll.setdefault(k, []).append(v)
             for k, v in pyfast_bench(m, a.threads, 512, 128, a.reps).items():
                 pf.setdefault(k, []).append(v)
+            bws.append(read_bandwidth_gbs(1))  # the host's bandwidth moves: probed every round
             ll1.append(llama_bench(a.llama_bin, m, 1, 0, 128, a.reps)["tg128"])
             pf1.append(pyfast_bench(m, 1, 0, 128, a.reps)["tg128"])
         for k in ("pp512", "tg128"):
             l, p = statistics.median(ll[k]), statistics.median(pf[k])
             lines.append(f"| {name} | {k} | {a.threads} | {l:.1f} | {p:.1f} | {p / l:.2f}x |")
+        bw1 = statistics.median(bws)
         bound = bw1 * 1e9 / size
         l1, p1 = statistics.median(ll1), statistics.median(pf1)
         extra.append(f"| {name} | pyfast {p1:.1f} / llama.cpp {l1:.1f} t/s | {bw1:.1f} GB/s | {bound:.0f} t/s "
