@@ -32,6 +32,20 @@ void bind_comm(py::module_& m) {
          py::arg("size"),
          "MPI_Allreduce of a loaded MPI library: its address and the handle values of the communicator, "
          "MPI_FLOAT and MPI_SUM (mpi4py: MPI._handleof).")
+#if defined(PYFAST_HAVE_NCCL)
+      .def_static("nccl", [](const std::string& lib, py::bytes unique_id, int rank, int size, int device) {
+        const std::string id = unique_id;
+        std::shared_ptr<Communicator> c;
+        {
+          py::gil_scoped_release rel;  // joining waits for every rank
+          c = make_nccl_comm(lib, id, rank, size, device);
+        }
+        return std::make_shared<PyComm>(std::move(c));
+      }, py::arg("lib"), py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device") = 0,
+         "NCCL between GPUs: libnccl at `lib` (opened now), the id from nccl_unique_id on rank 0, this rank, "
+         "the group size and this rank's CUDA device. Graph.allreduce then runs on the GPU.")
+#endif
+      .def_property_readonly("on_device", [](const PyComm& p) { return p.c->on_device(); })
       .def_property_readonly("id", [](const PyComm& p) { return p.id; })
       .def_property_readonly("rank", [](const PyComm& p) { return p.c->rank(); })
       .def_property_readonly("size", [](const PyComm& p) { return p.c->size(); })
@@ -52,6 +66,13 @@ void bind_comm(py::module_& m) {
         }
         return out;
       }, "The sum of a float32 array over the ranks (outside a graph).");
+#if defined(PYFAST_HAVE_NCCL)
+  m.attr("has_nccl") = true;
+  m.def("nccl_unique_id", [](const std::string& lib) { return py::bytes(nccl_unique_id(lib)); }, py::arg("lib"),
+        "A new NCCL unique id (bytes) for Communicator.nccl, made on rank 0 and sent to the others.");
+#else
+  m.attr("has_nccl") = false;
+#endif
 }
 
 }  // namespace pyfast_py

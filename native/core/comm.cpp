@@ -64,6 +64,10 @@ class MpiComm final : public Communicator {
 
 }  // namespace
 
+void Communicator::allreduce_sum_f32_device(const float*, float*, int64_t, void*) {
+  throw std::invalid_argument("[allreduce] the " + kind() + " communicator does not reduce device memory");
+}
+
 int comm_register(std::shared_ptr<Communicator> c) {
   if (!c) throw std::invalid_argument("[comm] null communicator");
   std::lock_guard<std::mutex> lk(g_mu);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/cuda_kernels.h"
+#include "pyfast/comm.h"
 
 namespace pyfast {
 namespace cu {
@@ -26,6 +27,21 @@ bool decodable(DType t) {  // element types the kernels' deq() reads
 }
 
 uint32_t groups_of(int64_t n, int64_t per) { return (uint32_t)((n + per - 1) / per); }
+
+bool packed_rows(const Node& n) {
+  int64_t want = 4;
+  for (int d = n.shape.ndim - 1; d >= 0; --d) {
+    if (n.shape.dims[d] != 1 && n.shape.strides[d] != want) return false;
+    want *= n.shape.dims[d];
+  }
+  return true;
+}
+
+// allreduce through a device communicator (NCCL, cuda/comm_nccl.cpp); spec[0]: its id.
+void launch_allreduce(const LaunchArgs& a, uint32_t, const int32_t* spec, cudaStream_t s) {
+  comm_get(spec[0])->allreduce_sum_f32_device(reinterpret_cast<const float*>(a.B[1]), reinterpret_cast<float*>(a.B[0]),
+                                             a.P.ip[0], s);
+}
 
 // matmul with a block-quantized weight: int8 activations and __dp4a (PYFAST_CUDA_Q8=0: decode
 // the weights to float instead).
@@ -50,7 +66,7 @@ LaunchFn find_kernel(const std::string& name) {
       {"quantize_q8", launch_quantize_q8}, {"matmul_q8_dp4a", launch_matmul_q8}, {"matmul", launch_matmul},
       {"matmul_id", launch_matmul_id}, {"attention", launch_attention}, {"ssm_conv", launch_ssm_conv},
       {"gated_delta_net", launch_gated_delta_net}, {"topk_bitonic", launch_topk_bitonic},
-      {"topk_radix", launch_topk_radix},
+      {"topk_radix", launch_topk_radix}, {"allreduce", launch_allreduce},
   };
   for (auto& e : table)
     if (name == e.name) return e.fn;
@@ -97,6 +113,8 @@ bool op_supported(const Node& nd, const Node* const* src) {
       return nd.dtype == DType::F32 || nd.dtype == DType::F16 || nd.dtype == DType::BF16 || nd.dtype == DType::Q8_0;
     case Op::concat: case Op::sum: case Op::gather: case Op::topk: case Op::topk_mask:
       return true;
+    case Op::allreduce:  // on the GPU only with a device communicator (NCCL); else on the CPU
+      return packed_rows(*src[0]) && nd.shape.numel() <= INT32_MAX && comm_get(nd.params.i[0])->on_device();
     case Op::ssm_conv:
       return src[1]->shape.dims[1] <= 16;  // kernel taps (the kernel's window array)
     case Op::gated_delta_net:
@@ -153,6 +171,11 @@ std::vector<Dispatch> op_dispatch(const Node& nd, const Node* const* src) {
       d.params.ip[0] = nd.n_src > 1 ? 1 : 0;
       d.params.fp[0] = nd.params.f[0];
       d.groups = (uint32_t)rows_of(nd);
+      break;
+    case Op::allreduce:
+      d.kernel = "allreduce";
+      d.spec = {nd.params.i[0]};
+      d.params.ip[0] = (int32_t)numel;
       break;
     case Op::argmax:
       d.kernel = "argmax";

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 from pyfast._loader import native
 
@@ -26,6 +27,9 @@ class Group:
         self.rank, self.size, self.comm, self.kind = rank, size, comm, kind
         self._bcast = bcast
         self._gather = gather
+        # one collective sequence at a time: a leader's call (its broadcast and the allreduces
+        # of its plans) must not interleave with another thread's (the server's embeddings)
+        self.lock = threading.RLock()
         self._barrier = barrier
 
     @property
@@ -104,3 +108,41 @@ def mpi_group() -> Group:
     _MPI_GROUP = Group(world.Get_rank(), world.Get_size(), comm, bcast=lambda o: world.bcast(o, root=0),
                        barrier=world.Barrier, kind="mpi", gather=lambda o: world.gather(o, root=0))
     return _MPI_GROUP
+
+
+def nccl_library() -> str:
+    """libnccl.so.2 to open: $PYFAST_NCCL_LIB, else the nvidia-nccl-cu13 wheel's, else the
+    system's (the loader's search path)."""
+    env = os.environ.get("PYFAST_NCCL_LIB")
+    if env:
+        return env
+    try:
+        import nvidia.nccl as wheel
+
+        for d in wheel.__path__:
+            cand = os.path.join(d, "lib", "libnccl.so.2")
+            if os.path.exists(cand):
+                return cand
+    except ImportError:
+        pass
+    return "libnccl.so.2"
+
+
+def nccl_group(device: int | None = None) -> Group:
+    """The MPI world with an NCCL communicator for the graphs' allreduce (GPU memory): rank r
+    uses CUDA device ``device`` (default: r modulo the node's ranks, from Open MPI's
+    OMPI_COMM_WORLD_LOCAL_RANK); MPI still carries the leader's commands. Needs pyfast built with
+    the CUDA backend and NCCL (``native.has_nccl``) and a GPU per rank."""
+    if not getattr(native, "has_nccl", False):
+        raise RuntimeError("this pyfast was built without the NCCL communicator (CUDA backend + nccl.h at build time; "
+                           "pip install nvidia-nccl-cu13 before building)")
+    mpi = mpi_group()
+    from mpi4py import MPI
+
+    lib = nccl_library()
+    uid = native.nccl_unique_id(lib) if mpi.rank == 0 else None
+    uid = MPI.COMM_WORLD.bcast(uid, root=0)
+    if device is None:
+        device = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", mpi.rank))
+    comm = native.Communicator.nccl(lib, uid, mpi.rank, mpi.size, device)
+    return Group(mpi.rank, mpi.size, comm, bcast=mpi._bcast, barrier=mpi._barrier, kind="nccl", gather=mpi._gather)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import threading
 import weakref
 
 import numpy as np
@@ -61,6 +62,13 @@ class Shard:
         w = self.weights
         dt = w.dtype(src)
         data, shape = split.slice_bytes(dt, w.shape(src), w._file_bytes(src), self.plan.rules[name])
+        if mat and data.nbytes >= (1 << 20):
+            # a matmul weight in a buffer of its own in transparent huge pages, as the unsplit model
+            # reads its weights (decode streams every weight once per token)
+            buf = native.Buffer(data.nbytes, huge_pages=True)
+            arr = np.frombuffer(buf, dtype=np.uint8)  # keeps buf alive
+            arr[:] = data
+            data = arr
         packed = False
         if mat and len(shape) == 2 and shape[0] % 16 == 0 and native.packable(dt):
             from pyfast.models.base import packing_enabled
@@ -108,9 +116,11 @@ class TPContext(Context):
         self.group = group
         self._tp_id = next(_ctx_ids)
         self._depth = 0
+        self._owner = 0
         self._dropped: list[int] = []
-        group.bcast(("context", self._tp_id, kw, []))
-        super().__init__(model, **kw)
+        with group.lock:
+            group.bcast(("context", self._tp_id, kw, []))
+            super().__init__(model, **kw)
 
     def _send(self, name: str, args: tuple, kw: dict, extra=None) -> None:
         dropped, self._dropped = self._dropped, []
@@ -124,7 +134,7 @@ def _mirrored(name: str):
     base = getattr(Context, name)
 
     def call(self, *args, **kw):
-        if self._depth:
+        if self._depth and self._owner == threading.get_ident():  # a call made by a mirrored call
             return base(self, *args, **kw)
         extra = None
         if name == "save_state":
@@ -135,16 +145,18 @@ def _mirrored(name: str):
             if extra is None:
                 raise ValueError("restore_state: under tensor parallelism a state must come from save_state of a "
                                  "context of the same group")
-        args_out = args
+        args_out, kw_out = args, kw
         if name == "restore_state":  # the followers use their own part of the state
             args_out = (args[0],) if args else ()
-            kw = {k: v for k, v in kw.items() if k != "state"}
-        self._send(name, args_out, kw, extra)
-        self._depth += 1
-        try:
-            out = base(self, *args, **kw) if name != "restore_state" else base(self, *args, **kw)
-        finally:
-            self._depth -= 1
+            kw_out = {k: v for k, v in kw.items() if k != "state"}
+        with self.group.lock:
+            self._send(name, args_out, kw_out, extra)
+            self._owner = threading.get_ident()
+            self._depth += 1
+            try:
+                out = base(self, *args, **kw)
+            finally:
+                self._depth -= 1
         if name == "save_state":
             out.tp_key = extra
             weakref.finalize(out, self._dropped.append, extra)
@@ -161,7 +173,8 @@ for _n in MIRRORED:
 
 def stop_followers(group: Group) -> None:
     """Tell the followers to return from follow() (the leader calls it at exit)."""
-    group.bcast(("stop",))
+    with group.lock:
+        group.bcast(("stop",))
 
 
 def follow(group: Group, model_loader) -> None:
@@ -229,8 +242,9 @@ def leader_group(n: int) -> Group:
 def leader(path: str, group: Group, **opts):
     """On rank 0: tell the followers to load ``path`` and return the leader's sharded Model."""
     _register_stop(group)
-    group.bcast(("model", str(path), opts))
-    return load_sharded(path, group, **opts)
+    with group.lock:
+        group.bcast(("model", str(path), opts))
+        return load_sharded(path, group, **opts)
 
 
 def _register_stop(group: Group) -> None:

@@ -83,6 +83,7 @@ class EngineConfig:
     dsa: bool | None = None      # DeepSeek sparse attention on / off (None: the model's default, on)
     dsa_top_k: int = -1          # cells each query keeps under DSA (-1: the model's)
     swa_full: bool = True        # sliding-window layers (Gemma): False bounds their cache to the window
+    tp: int = 1                  # tensor parallelism over this many mpirun ranks (this process is rank 0)
     _control: "ControlVector | None" = field(default=None, init=False, repr=False, compare=False)  # read by validate()
     _device: object = field(default=None, init=False, repr=False, compare=False)  # opened by validate()
 
@@ -103,6 +104,10 @@ class EngineConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.n_threads is not None and self.n_threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.n_threads}")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and (self.device is not None or self.control_vectors):
+            raise ValueError("--tp: tensor parallelism runs on the CPU without control vectors for now")
         from pyfast.memory.kv_cache import cache_dtype
 
         cache_dtype(self.cache_type_k, "--cache-type-k")  # an unknown name fails before the model loads
@@ -250,7 +255,17 @@ class Engine:
         self.cfg = cfg.validate()
         self.model_path = str(resolve_model(cfg.model, quiet=True))
         # on a device the weights are uploaded from the file mapping
-        self.model = Model(self.model_path, mmap=True) if cfg._device is not None else Model(self.model_path)
+        self.new_context = Context  # contexts of this engine's model (mirrored on the other ranks under TP)
+        if cfg.tp > 1:  # rank 0 of an mpirun world: the other ranks hold the rest of the model
+            from functools import partial
+
+            from pyfast.parallel.tp import TPContext, leader, leader_group
+
+            group = leader_group(cfg.tp)
+            self.model = leader(self.model_path, group)
+            self.new_context = partial(TPContext, group=group)
+        else:
+            self.model = Model(self.model_path, mmap=True) if cfg._device is not None else Model(self.model_path)
         if cfg._control is not None:  # validate() read the files
             self.model.set_control_vector(cfg._control, *(cfg.control_vector_layer_range or (None, None)))
         self.model.set_dsa(on=cfg.dsa, top_k=cfg.dsa_top_k)
@@ -282,7 +297,7 @@ class Engine:
         # Continuous batching meets many batch shapes; keep more plans than single-sequence
         # decoding needs, but bounded (a prompt-sized plan holds tens of MB of activations).
         export_hidden = needs_hidden(proposers)  # draft-mtp reads the target's hidden rows
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_threads=cfg.n_threads, max_plans=64,
+        self.ctx = self.new_context(self.model, n_ctx=n_ctx, n_threads=cfg.n_threads, max_plans=64,
                            n_ubatch=max(cfg.n_ubatch, n_rollback + 1), n_seq_max=cfg.n_parallel,
                            n_rollback=n_rollback, export_hidden=export_hidden,
                            capture_layers=capture_layers(proposers),

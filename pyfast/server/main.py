@@ -10,7 +10,7 @@ import sys
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from pyfast.cli import add_cache_type_arguments, add_control_vector_arguments, add_device_argument
+    from pyfast.cli import add_cache_type_arguments, add_control_vector_arguments, add_device_argument, add_tp_argument
 
     p.add_argument("-m", "--model", default=None,
                    help="GGUF path, registry name or hf://owner/repo/file.gguf (default: smollm2)")
@@ -22,6 +22,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     add_cache_type_arguments(p)
     add_device_argument(p)
+    add_tp_argument(p)
     add_control_vector_arguments(p)
     p.add_argument("-b", "--batch-size", type=int, default=512,
                    help="most prompt tokens decoded in one scheduler step (all slots together)")
@@ -107,7 +108,7 @@ def serve_from_args(a: argparse.Namespace) -> int:
                        n_batch=a.batch_size, n_ubatch=a.ubatch_size, n_checkpoints=a.ctx_checkpoints,
                        max_queue=a.max_queue, alias=a.alias, cache_type_k=a.cache_type_k,
                        cache_type_v=a.cache_type_v, device=a.device, **control_vector_kwargs(a), **dsa_kwargs(a),
-                       **swa_kwargs(a),
+                       **swa_kwargs(a), tp=a.tp,
                        spec=SpecConfig(spec_type=a.spec_type, n_max=a.draft_max, n_min=a.draft_min,
                                        p_min=a.draft_p_min, draft_model=a.model_draft))
     engine = Engine(cfg)

@@ -239,7 +239,8 @@ class _Native:
             from pyfast.context import Context
 
             e = self.engine
-            self._embed_ctx = Context(e.model, n_ctx=e.n_ctx_slot, n_threads=e.cfg.n_threads, n_seq_max=1,
+            make = getattr(e, "new_context", Context)  # under TP: a context the other ranks mirror
+            self._embed_ctx = make(e.model, n_ctx=e.n_ctx_slot, n_threads=e.cfg.n_threads, n_seq_max=1,
                                       export_hidden=True, max_plans=8, device=e.cfg._device)
         return self._embed_ctx
 

@@ -23,6 +23,10 @@ class Communicator {
   virtual std::string kind() const = 0;
   // recv[i] = sum over ranks of send[i], i < n (send and recv do not overlap), host memory.
   virtual void allreduce_sum_f32(const float* send, float* recv, int64_t n) = 0;
+  // Device memory (a communicator between GPUs, e.g. NCCL): the same sum enqueued on `stream`
+  // (a cudaStream_t). Host-only communicators return false from on_device and throw here.
+  virtual bool on_device() const { return false; }
+  virtual void allreduce_sum_f32_device(const float* send, float* recv, int64_t n, void* stream);
 
   // Time spent inside allreduce calls (wall clock, the calling thread), their number and bytes.
   std::atomic<uint64_t> ns{0}, calls{0}, bytes{0};
@@ -42,5 +46,14 @@ std::shared_ptr<Communicator> make_local_comm();
 // MPI_FLOAT and MPI_SUM (pointers in Open MPI, ints in MPICH; both are passed in one register).
 std::shared_ptr<Communicator> make_mpi_comm(uintptr_t allreduce_fn, uintptr_t comm, uintptr_t dtype_float,
                                             uintptr_t op_sum, int rank, int size);
+
+#if defined(PYFAST_HAVE_NCCL)
+// NCCL between GPUs (cuda/comm_nccl.cpp): libnccl is opened at run time from `lib` (e.g. the
+// nvidia-nccl-cu13 wheel's libnccl.so.2), so importing pyfast never needs it. nccl_unique_id makes
+// the id rank 0 shares with the others (over MPI); each rank then joins on its CUDA device.
+std::string nccl_unique_id(const std::string& lib);
+std::shared_ptr<Communicator> make_nccl_comm(const std::string& lib, const std::string& unique_id, int rank, int size,
+                                             int cuda_device);
+#endif
 
 }  // namespace pyfast
