@@ -106,6 +106,15 @@ MIRRORED = ("decode", "decode_step", "decode_run", "truncate", "remove_seq", "cl
 
 _ctx_ids = itertools.count(1)
 _state_ids = itertools.count(1)
+# contexts the leader no longer holds: the followers drop theirs (told with the next message;
+# garbage collection must not broadcast in the middle of another collective)
+_dropped_contexts: list[int] = []
+
+
+def _take_dropped() -> list[int]:
+    out = _dropped_contexts[:]
+    del _dropped_contexts[:len(out)]
+    return out
 
 
 class TPContext(Context):
@@ -119,12 +128,13 @@ class TPContext(Context):
         self._owner = 0
         self._dropped: list[int] = []
         with group.lock:
-            group.bcast(("context", self._tp_id, kw, []))
+            group.bcast(("context", self._tp_id, kw, _take_dropped()))
             super().__init__(model, **kw)
+        weakref.finalize(self, _dropped_contexts.append, self._tp_id)
 
     def _send(self, name: str, args: tuple, kw: dict, extra=None) -> None:
         dropped, self._dropped = self._dropped, []
-        self.group.bcast(("call", self._tp_id, name, args, kw, extra, dropped))
+        self.group.bcast(("call", self._tp_id, name, args, kw, extra, dropped, _take_dropped()))
 
     def comm_stats(self) -> dict:
         return self.group.comm_stats()
@@ -188,18 +198,20 @@ def follow(group: Group, model_loader) -> None:
         kind = msg[0]
         if kind == "stop":
             return
-        if kind == "model":
+        if kind == "model":  # contexts made before keep the model they were made with
             _, path, opts = msg
             model = model_loader(path, **opts)
-            contexts.clear()
-            states.clear()
         elif kind == "context":
-            _, cid, kw, _ = msg
+            _, cid, kw, gone = msg
+            for c in gone:
+                contexts.pop(c, None)
             contexts[cid] = Context(model, **kw)
         elif kind == "call":
-            _, cid, name, args, kw, extra, dropped = msg
+            _, cid, name, args, kw, extra, dropped, gone = msg
             for k in dropped:
                 states.pop(k, None)
+            for c in gone:
+                contexts.pop(c, None)
             ctx = contexts[cid]
             try:
                 if name == "restore_state":
@@ -210,8 +222,6 @@ def follow(group: Group, model_loader) -> None:
                         states[extra] = out
             except Exception:  # the leader makes the same call and reports the same error
                 pass
-        elif kind == "drop_context":
-            contexts.pop(msg[1], None)
 
 
 def load_sharded(path: str, group: Group, **opts):
