@@ -26,12 +26,13 @@ void bind_comm(py::module_& m) {
       "A group of ranks for Graph.allreduce, registered under `id` while this object lives.")
       .def_static("local", [] { return std::make_shared<PyComm>(make_local_comm()); },
                   "One rank: allreduce copies its input.")
-      .def_static("mpi", [](uintptr_t fn, uintptr_t comm, uintptr_t dt, uintptr_t op, int rank, int size) {
-        return std::make_shared<PyComm>(make_mpi_comm(fn, comm, dt, op, rank, size));
+      .def_static("mpi", [](uintptr_t fn, uintptr_t comm, uintptr_t dt, uintptr_t op, int rank, int size,
+                            uintptr_t reduce_fn) {
+        return std::make_shared<PyComm>(make_mpi_comm(fn, comm, dt, op, rank, size, reduce_fn));
       }, py::arg("allreduce_fn"), py::arg("comm"), py::arg("dtype_float"), py::arg("op_sum"), py::arg("rank"),
-         py::arg("size"),
+         py::arg("size"), py::arg("reduce_fn") = 0,
          "MPI_Allreduce of a loaded MPI library: its address and the handle values of the communicator, "
-         "MPI_FLOAT and MPI_SUM (mpi4py: MPI._handleof).")
+         "MPI_FLOAT and MPI_SUM (mpi4py: MPI._handleof); reduce_fn: MPI_Reduce's address (root-only sums).")
 #if defined(PYFAST_HAVE_NCCL)
       .def_static("nccl", [](const std::string& lib, py::bytes unique_id, int rank, int size, int device) {
         const std::string id = unique_id;

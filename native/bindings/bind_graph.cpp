@@ -124,9 +124,11 @@ void bind_graph(py::module_& m) {
            "x[..., K] @ w[N, K].T -> [..., N]")
       .def("add", [](G g, const Tensor& a, const Tensor& b) { return rec(g, [&](Graph& gr) { return gr.add(tid(*g, a), tid(*g, b)); }); })
       .def("mul", [](G g, const Tensor& a, const Tensor& b) { return rec(g, [&](Graph& gr) { return gr.mul(tid(*g, a), tid(*g, b)); }); })
-      .def("allreduce", [](G g, const Tensor& a, int comm) { return rec(g, [&](Graph& gr) { return gr.allreduce(tid(*g, a), comm); }); },
-           py::arg("a"), py::arg("comm"),
-           "The sum of a over the ranks of the communicator registered as `comm` (Communicator.id), f32.")
+      .def("allreduce", [](G g, const Tensor& a, int comm, bool root_only) {
+        return rec(g, [&](Graph& gr) { return gr.allreduce(tid(*g, a), comm, root_only); });
+      }, py::arg("a"), py::arg("comm"), py::arg("root_only") = false,
+           "The sum of a over the ranks of the communicator registered as `comm` (Communicator.id), f32; "
+           "root_only: only rank 0 needs it (the others' output is unspecified: zeros over MPI).")
       .def("scale", [](G g, const Tensor& a, float s) { return rec(g, [&](Graph& gr) { return gr.scale(tid(*g, a), s); }); })
       .def("rms_norm", [](G g, const Tensor& a, float eps) { return rec(g, [&](Graph& gr) { return gr.rms_norm(tid(*g, a), eps); }); },
            py::arg("a"), py::arg("eps"))

@@ -550,11 +550,12 @@ int Graph::gated_delta_net(int q, int k, int v, int g, int beta, int state, int 
   return push(std::move(n));
 }
 
-int Graph::allreduce(int a, int comm_id) {
+int Graph::allreduce(int a, int comm_id, bool root_only) {
   need_dtype("allreduce", at(a), DType::F32, "a");
   comm_get(comm_id);  // an unknown id fails here, not in the middle of a run
   Node n = make_node(Op::allreduce, DType::F32, make_shape(DType::F32, dims_of(at(a))), {a});
   n.params.i[0] = comm_id;
+  n.params.i[1] = root_only ? 1 : 0;
   return push(std::move(n));
 }
 

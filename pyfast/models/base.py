@@ -338,7 +338,8 @@ class GraphBuilder:
 
     def head(self, x, name: str):
         """The output head x @ W.T -> [n, n_vocab]; under tensor parallelism each rank computes
-        its rows of the vocabulary and the full rows are gathered by a zero-padded allreduce."""
+        its rows of the vocabulary and the full rows are summed, zero-padded, on rank 0 (the
+        other ranks' logits are zeros: only the leader reads them)."""
         if self.tp is None:
             return self.linear(x, name)
         g = self.g
@@ -359,7 +360,8 @@ class GraphBuilder:
                 y = zeros
             else:
                 y = g.concat(zeros, y, 1) if lo == 0 else g.concat(y, zeros, 1)
-        return g.allreduce(y, self.tp.comm_id)                           # [n_rows, n_vocab]
+        # only rank 0 samples: the sum goes to it alone (the others' logits are zeros)
+        return g.allreduce(y, self.tp.comm_id, root_only=True)           # [n_rows, n_vocab]
 
     def has(self, name: str) -> bool:
         return name in self.w

@@ -103,8 +103,9 @@ def mpi_group() -> Group:
     world = MPI.COMM_WORLD
     lib = ctypes.CDLL(_libmpi_path(), mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
     fn = ctypes.cast(lib.MPI_Allreduce, ctypes.c_void_p).value
+    reduce_fn = ctypes.cast(lib.MPI_Reduce, ctypes.c_void_p).value
     comm = native.Communicator.mpi(fn, MPI._handleof(world), MPI._handleof(MPI.FLOAT), MPI._handleof(MPI.SUM),
-                                   world.Get_rank(), world.Get_size())
+                                   world.Get_rank(), world.Get_size(), reduce_fn=reduce_fn)
     _MPI_GROUP = Group(world.Get_rank(), world.Get_size(), comm, bcast=lambda o: world.bcast(o, root=0),
                        barrier=world.Barrier, kind="mpi", gather=lambda o: world.gather(o, root=0))
     return _MPI_GROUP

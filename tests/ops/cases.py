@@ -147,6 +147,7 @@ def _cases() -> list[Case]:
         Case("scale", (Arg((7, 65), layout=padded((1, 9), step=2)),), {"s": 1e-3}),
         Case("allreduce", (Arg((7, 33)),), tol=EXACT),
         Case("allreduce", (Arg((5, 7, 3), layout=permuted(1, 2, 0)),), tol=EXACT),
+        Case("allreduce", (Arg((3, 65)),), {"root_only": True}, tol=EXACT),
     ]
 
     # ---- rms_norm ---------------------------------------------------------------------------

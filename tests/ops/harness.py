@@ -700,7 +700,8 @@ OPS.update({
                    lambda v, d: 0.5 * v[0] * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v[0] + 0.044715 * v[0] ** 3)))),
     "tanh": OpSpec(lambda g, t, d: g.tanh(t[0]), lambda v, d: np.tanh(v[0])),
     # a one-rank communicator: the sum over the ranks is the input (tests/tp/ runs several ranks)
-    "allreduce": OpSpec(lambda g, t, d: g.allreduce(t[0], _local_comm().id), lambda v, d: v[0]),
+    "allreduce": OpSpec(lambda g, t, d, root_only=False: g.allreduce(t[0], _local_comm().id, root_only),
+                        lambda v, d, root_only=False: v[0]),
     "l2_norm": OpSpec(lambda g, t, d, eps: g.l2_norm(t[0], eps),
                       lambda v, d, eps: v[0] / np.sqrt(np.sum(v[0] ** 2, axis=-1, keepdims=True) + f32(eps))),
     "concat": OpSpec(lambda g, t, d, axis: g.concat(t[0], t[1], axis),

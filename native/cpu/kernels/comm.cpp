@@ -38,7 +38,9 @@ void cpu_allreduce(const ComputeParams& p, Node& dst, const Node* const* src) {
     }
     send = tmp;
   }
-  comm_get(dst.params.i[0])->allreduce_sum_f32(send, reinterpret_cast<float*>(dst.data), n);
+  const auto c = comm_get(dst.params.i[0]);
+  if (dst.params.i[1]) c->reduce_sum_f32_root(send, reinterpret_cast<float*>(dst.data), n);
+  else c->allreduce_sum_f32(send, reinterpret_cast<float*>(dst.data), n);
 }
 
 }  // namespace pyfast

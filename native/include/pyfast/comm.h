@@ -23,6 +23,9 @@ class Communicator {
   virtual std::string kind() const = 0;
   // recv[i] = sum over ranks of send[i], i < n (send and recv do not overlap), host memory.
   virtual void allreduce_sum_f32(const float* send, float* recv, int64_t n) = 0;
+  // The same sum where only rank 0 reads it (the output head's logits): MPI sends it to rank 0
+  // alone and zero-fills the others' recv, half the traffic. Default: the allreduce.
+  virtual void reduce_sum_f32_root(const float* send, float* recv, int64_t n) { allreduce_sum_f32(send, recv, n); }
   // Device memory (a communicator between GPUs, e.g. NCCL): the same sum enqueued on `stream`
   // (a cudaStream_t). Host-only communicators return false from on_device and throw here.
   virtual bool on_device() const { return false; }
@@ -42,10 +45,11 @@ std::shared_ptr<Communicator> comm_get(int id);
 std::shared_ptr<Communicator> make_local_comm();
 
 // MPI through the C API of an already loaded MPI library: `allreduce_fn` is the address of
-// MPI_Allreduce, `comm`, `dtype_float`, `op_sum` the handle values of the communicator,
-// MPI_FLOAT and MPI_SUM (pointers in Open MPI, ints in MPICH; both are passed in one register).
+// MPI_Allreduce (`reduce_fn` of MPI_Reduce, 0: reduce_sum_f32_root uses the allreduce), `comm`,
+// `dtype_float`, `op_sum` the handle values of the communicator, MPI_FLOAT and MPI_SUM (pointers
+// in Open MPI, ints in MPICH; both are passed in one register).
 std::shared_ptr<Communicator> make_mpi_comm(uintptr_t allreduce_fn, uintptr_t comm, uintptr_t dtype_float,
-                                            uintptr_t op_sum, int rank, int size);
+                                            uintptr_t op_sum, int rank, int size, uintptr_t reduce_fn = 0);
 
 #if defined(PYFAST_HAVE_NCCL)
 // NCCL between GPUs (cuda/comm_nccl.cpp): libnccl is opened at run time from `lib` (e.g. the

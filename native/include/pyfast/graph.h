@@ -92,8 +92,9 @@ class Graph {
   // chunk_min: segments with at least this many tokens use the chunked form (0 = never).
   int gated_delta_net(int q, int k, int v, int g, int beta, int state, int seqs, float scale, int broadcast,
                       int chunk_min);
-  // Tensor parallelism: the sum of a over the ranks of communicator comm_id (comm.h), as f32.
-  int allreduce(int a, int comm_id);
+  // Tensor parallelism: the sum of a over the ranks of communicator comm_id (comm.h), as f32;
+  // root_only: only rank 0 needs it (the other ranks' output is unspecified: zeros over MPI).
+  int allreduce(int a, int comm_id, bool root_only = false);
   int reshape(int a, const std::vector<int64_t>& dims);
   int view(int a, const std::vector<int64_t>& dims, const std::vector<int64_t>& strides,
            int64_t offset);
