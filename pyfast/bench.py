@@ -113,7 +113,10 @@ def run_bench(model_path: str, pp: list[int], tg: list[int], threads: list[int],
             for n in sizes:
                 if n <= 0:
                     continue
-                fn(ctx, min(n, 16), seed=123)  # warm-up (page in weights, build plans)
+                # warm-up (page in weights, build the plans): a whole prompt of the measured size,
+                # as llama-bench warms up, since a prompt's first run builds its plan and faults in
+                # its scratch; generation needs a few tokens
+                fn(ctx, n if kind == "pp" else min(n, 16), seed=123)
                 samples, probes = [], []
                 for r in range(reps):
                     # The host's bandwidth can move by tens of percent within minutes: each

@@ -173,6 +173,11 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
   const int64_t step = n_items / ((int64_t)p.nth * 16) + 1;
   WorkRanges wr(p.ith, p.nth, p.ranges, n_items, step);
   int64_t it0, it1;
+  // the weight rows whose decoded blocks this thread's scratch holds (QJob::reuse)
+  const uint8_t* dec_w = nullptr;
+  int64_t dec_n0 = -1;
+  bool stored = false;
+  j.stored = &stored;
   while (wr.next(it0, it1)) {
     int wi = 0;
     int64_t wc0 = 0;  // first global chunk of weight wi
@@ -190,7 +195,11 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
       j.n1 = j.n0 + cn < N ? j.n0 + cn : N;
       j.m0 = mc * mm::kChunkM;
       j.m1 = j.m0 + mm::kChunkM < R ? j.m0 + mm::kChunkM : R;
+      j.reuse = stored && j.w == dec_w && j.n0 == dec_n0;
+      stored = false;
       mm::qgemm_run(isa, j, K);
+      dec_w = j.w;
+      dec_n0 = j.n0;
     }
   }
 }

@@ -720,11 +720,20 @@ template <DType WT, bool PK>
 PF_AVX512 void xt_decoded_passes(const QJob& j, const QCtx& c, const XtBuf& xb, int nv) {
   constexpr int RX = kXtRows<WT>;
   const int64_t M = j.m1 - j.m0;
+  if (j.reuse) {  // decoded by an earlier item of this thread: every row from the scratch
+    for (int64_t m = j.m0, rm; m < j.m1; m += rm) {
+      rm = xt_load_rows<WT>(j.m1 - m);
+      xt_rows<WT, kLoad>(c, xb, j.a, m, (int)rm, j.y, j.n0, nv);
+    }
+    if (j.stored) *j.stored = true;
+    return;
+  }
   if (M <= RX || M == kXtJoin<WT>) {
     xt_rows<WT, kDecode, PK>(c, xb, j.a, j.m0, (int)M, j.y, j.n0, nv);
     return;
   }
   xt_pass<WT, RX, kDecodeStore, PK>(c, xb, j.a, j.m0, j.y, j.n0, nv);
+  if (j.stored) *j.stored = true;
   for (int64_t m = j.m0 + RX, rm; m < j.m1; m += rm) {
     rm = xt_load_rows<WT>(j.m1 - m);
     xt_rows<WT, kLoad>(c, xb, j.a, m, (int)rm, j.y, j.n0, nv);
@@ -748,7 +757,7 @@ PF_AVX512 void qgemm_xt(const QJob& j, QCtx& c, int nv) {
   xb.shi = shi;
   if constexpr (kIsK<WT>) {  // a single decoding pass fills them per super-block (xt_pass)
     const int64_t M = j.m1 - j.m0;
-    if (!(M <= kXtRows<WT> || M == kXtJoin<WT>)) {
+    if (!j.reuse && !(M <= kXtRows<WT> || M == kXtJoin<WT>)) {
       if (j.packed) fill_ktables_avx512<WT, true>(c, xb.dwt, xb.mwt, slo, shi);
       else fill_ktables_avx512<WT>(c, xb.dwt, xb.mwt, slo, shi);
     }

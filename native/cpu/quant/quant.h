@@ -240,6 +240,12 @@ struct QJob {
   int64_t m0 = 0, m1 = 0;
   RowView y;                   // f32 output rows
   float* scratch = nullptr;    // per-thread, qjob_scratch_floats(nb) floats, 64-byte aligned
+  // Consecutive items of one thread on the same weight rows (a prompt's row chunks): the avx512
+  // K-quant kernels decode the chunk's blocks and scale tables into the scratch once. reuse: the
+  // scratch already holds them for these rows; the kernel sets *stored (when given) if it leaves
+  // them there (stored, or reused). Which item decodes does not change any result.
+  bool reuse = false;
+  bool* stored = nullptr;
 };
 // Room for the chunk's weights decoded to u8 codes (16 rows x K bytes; SIMD kernels with several
 // activation rows), four [nb][16] tables (+16 padding each: weight scales, mins / sub-scales) and
