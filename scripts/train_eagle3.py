@@ -250,7 +250,7 @@ def train(work: Path, minutes: float, vocab: int, K: int, seq_len: int, batch: i
     chunks = []                                   # (start, length) windows of whole sequences
     for i in range(n_seq):
         s, e = int(starts[i]), int(starts[i + 1])
-        s = max(s, s + int(z["n_prompt"][i]) - 2)  # windows start just before the answer
+        # windows from the sequence start: the prompt is context (as in drafting), not a target
         for c in range(s, e - 8, seq_len):
             chunks.append((i in held, c, min(seq_len, e - c)))
     tr = [c for c in chunks if not c[0]]
@@ -383,7 +383,7 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     ap.add_argument("--vocab", type=int, default=4096, help="draft vocabulary size")
     ap.add_argument("--ttt", type=int, default=3, help="training-time-test steps")
-    ap.add_argument("--seq-len", type=int, default=192)
+    ap.add_argument("--seq-len", type=int, default=320)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--eval", action="store_true", help="only measure acceptance per draft position")
