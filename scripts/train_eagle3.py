@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -316,8 +315,6 @@ def train(work: Path, minutes: float, vocab: int, K: int, seq_len: int, batch: i
 
 def export(work: Path, head, d2t, V, model, f_scale, a) -> None:
     """The EAGLE-3 checkpoint layout (midlayer., d2t offsets, t2d), then its GGUF."""
-    import torch
-
     from pyfast.convert.eagle3 import convert_eagle3
     from tests.spec.eagle3_helpers import write_safetensors
 
@@ -347,7 +344,6 @@ def export(work: Path, head, d2t, V, model, f_scale, a) -> None:
     (hf / "config.json").write_text(json.dumps(cfg, indent=1))
     write_safetensors(hf / "model.safetensors", {k: np.ascontiguousarray(v) for k, v in w.items()})
     convert_eagle3(hf, work / "eagle3.gguf", outtype="f16")
-    del torch
 
 
 # --- evaluation: acceptance per draft position ---------------------------------------------------------

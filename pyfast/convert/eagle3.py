@@ -144,7 +144,8 @@ def plan(cfg: dict, src: _Weights) -> _Plan:
     fc_in = src.shape(strip + "fc.weight")[1] if strip + "fc.weight" in names else 3 * dt
     n_feat = len(layers) if layers else fc_in // dt
     if layers is not None and (not isinstance(layers, list) or not all(isinstance(x, int) and x >= 1 for x in layers)):
-        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids must be a list of layer ids >= 1, got {layers!r}")
+        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids must be a list of layer ids >= 1, "
+                         f"got {layers!r}")
     add("fc.weight", (d, n_feat * dt), get(strip + "fc.weight", (d, n_feat * dt)))
     norm_fc = strip + "input_norm.weight" in names
     if norm_fc:
@@ -194,8 +195,8 @@ def plan(cfg: dict, src: _Weights) -> _Plan:
         add("d2t", (Vd,), lambda: ids, keep_f32=False)
     elif Vd < V:
         raise ValueError(f"{src.dir}: a reduced draft vocabulary ({Vd} of {V}) needs a d2t tensor")
-    else:
-        used.add(strip + "t2d") if strip + "t2d" in names else None
+    elif strip + "t2d" in names:
+        used.add(strip + "t2d")
     unused = sorted(n for n in names if n not in used)
     if unused:
         more = f" (and {len(unused) - 8} more)" if len(unused) > 8 else ""

@@ -14,9 +14,6 @@
 """
 from __future__ import annotations
 
-import json
-import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -107,9 +104,10 @@ def test_converter_stores_absolute_d2t(files):
     from pyfast.gguf import GGUFReader
     from pyfast.spec.eagle3 import Eagle3Model
 
-    off = np.load(FIX / "reduced.npz")  # (the checkpoint keeps offsets)
-    m = Eagle3Model(files["reduced"])
     from pyfast.convert.safetensors import SafetensorsDir
+
+    off = np.load(FIX / "reduced.npz")
+    m = Eagle3Model(files["reduced"])
 
     st = SafetensorsDir(str(FIX / "hf" / "reduced"))
     offsets = np.array(st.raw("d2t"))
@@ -256,7 +254,8 @@ def test_head_cache_equals_one_batch_catchup(files):
     live = e.trace
     # a fresh proposer and target fed the whole sequence at once
     f = _proposer(files["rand"], files["target"], kv_dtype=native.DType.F32)
-    ctx = Context(f.model, n_ctx=256, n_threads=2, kv_dtype=native.DType.F32, capture_layers=tuple(dict.fromkeys(f.capture_layers)))
+    ctx = Context(f.model, n_ctx=256, n_threads=2, kv_dtype=native.DType.F32,
+                  capture_layers=tuple(dict.fromkeys(f.capture_layers)))
     f.bind_target(ctx)
     ctx.decode(np.asarray(seq, np.int32), positions=np.arange(len(seq)), seq_ids=0, logits="last")
     f.process(DecodeBatch("prompt", np.zeros(len(seq), np.int32), np.asarray(seq, np.int32),
@@ -280,7 +279,8 @@ def test_sampled_drafts_keep_target_distribution(files):
     from tests.spec.test_distribution import chi2_goodness
 
     f = _proposer(files["rand"], files["target"], kv_dtype=native.DType.F32)
-    ctx = Context(f.model, n_ctx=256, n_threads=2, kv_dtype=native.DType.F32, capture_layers=tuple(dict.fromkeys(f.capture_layers)))
+    ctx = Context(f.model, n_ctx=256, n_threads=2, kv_dtype=native.DType.F32,
+                  capture_layers=tuple(dict.fromkeys(f.capture_layers)))
     f.bind_target(ctx)
     prompt = np.asarray(_prompts(96)[0], np.int32)
     id_last = 17
