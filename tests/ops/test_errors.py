@@ -24,6 +24,16 @@ def _sr(g, d=(8, 4), s=(2, 4), i=(2,), dt=F32, st=F32, it=I32):
 
 
 # (op, builder(g) that must raise). Each builder declares its own leaves.
+
+_COMM: list = []
+
+
+def _comm():
+    """A one-rank communicator for the allreduce cases (kept for the whole session)."""
+    if not _COMM:
+        _COMM.append(N.Communicator.local())
+    return _COMM[0]
+
 BAD = {
     "get_rows": [
         ("table 1-D", lambda g: g.get_rows(_x(g, "t", F32, [8]), _x(g, "i", I32, [2]))),
@@ -52,6 +62,8 @@ BAD = {
         ("b i32", lambda g: g.mul(_x(g, "a", F32, [4, 5]), _x(g, "b", I32, [1]))),
     ],
     "scale": [("a f16", lambda g: g.scale(_x(g, "a", F16, [4]), 2.0))],
+    "allreduce": [("a f16", lambda g: g.allreduce(_x(g, "a", F16, [4]), _comm().id)),
+                  ("unknown communicator", lambda g: g.allreduce(_x(g, "a", F32, [4]), 1 << 30))],
     "rms_norm": [
         ("a bf16", lambda g: g.rms_norm(_x(g, "a", BF16, [4, 8]), 1e-5)),
         ("negative eps", lambda g: g.rms_norm(_x(g, "a", F32, [4, 8]), -1e-5)),
@@ -382,6 +394,7 @@ def _probe_builders():
         P[op] = (lambda op: lambda g, r, dt: getattr(g, op)(_x(g, "a", dt if r == 0 else F32, [2, K]),
                                                            _x(g, "b", dt if r == 1 else F32, [2, K])))(op)
     P["scale"] = lambda g, r, dt: g.scale(_x(g, "a", dt, [2, K]), 2.0)
+    P["allreduce"] = lambda g, r, dt: g.allreduce(_x(g, "a", dt, [2, K]), _comm().id)
     P["rms_norm"] = lambda g, r, dt: g.rms_norm(_x(g, "a", dt, [2, K]), 1e-5)
     P["silu"] = lambda g, r, dt: g.silu(_x(g, "a", dt, [2, K]))
     P["argmax"] = lambda g, r, dt: g.argmax(_x(g, "a", dt, [2, K]))
