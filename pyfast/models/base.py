@@ -257,6 +257,38 @@ def _elem_stride(dt) -> int:
     return 0 if native.dtype_block_size(dt) > 1 else native.dtype_type_size(dt)
 
 
+
+class JointWeights:
+    """Two models' tensors for one GraphBuilder: a drafter's own, and another model's (the
+    target's) under names starting with ``prefix``."""
+
+    def __init__(self, own, other, prefix: str):
+        self.own, self.other, self.prefix = own, other, prefix
+
+    def _src(self, name: str):
+        return (self.other, name[len(self.prefix):]) if name.startswith(self.prefix) else (self.own, name)
+
+    def __contains__(self, name: str) -> bool:
+        w, n = self._src(name)
+        return n in w
+
+    def dtype(self, name):
+        w, n = self._src(name)
+        return w.dtype(n)
+
+    def shape(self, name):
+        w, n = self._src(name)
+        return w.shape(n)
+
+    def data(self, name):
+        w, n = self._src(name)
+        return w.data(n)
+
+    def matmul_data(self, name):
+        w, n = self._src(name)
+        return w.matmul_data(n)
+
+
 class GraphBuilder:
     """Wraps a native Graph with the inputs of one batch shape and layer helpers."""
 

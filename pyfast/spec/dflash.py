@@ -58,7 +58,7 @@ import numpy as np
 
 from pyfast._loader import native
 from pyfast.memory.kv_cache import KVCache
-from pyfast.models.base import BatchShape, GraphBuilder, TensorSpec, Weights, _elem_stride
+from pyfast.models.base import BatchShape, GraphBuilder, JointWeights, TensorSpec, Weights, _elem_stride
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
 from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer
 
@@ -249,36 +249,6 @@ def check_d2t(d2t: np.ndarray, n_draft: int, n_vocab: int, where: str = "d2t") -
     return d2t
 
 
-class _JointWeights:
-    """The drafter's tensors plus the target's (names prefixed ``target/``) for one GraphBuilder."""
-
-    def __init__(self, draft: Weights, target: Weights):
-        self.d, self.t = draft, target
-
-    def _of(self, name: str):
-        return (self.t, name[len(TGT):]) if name.startswith(TGT) else (self.d, name)
-
-    def __contains__(self, name: str) -> bool:
-        w, n = self._of(name)
-        return n in w
-
-    def dtype(self, name):
-        w, n = self._of(name)
-        return w.dtype(n)
-
-    def shape(self, name):
-        w, n = self._of(name)
-        return w.shape(n)
-
-    def data(self, name):
-        w, n = self._of(name)
-        return w.data(n)
-
-    def matmul_data(self, name):
-        w, n = self._of(name)
-        return w.matmul_data(n)
-
-
 def _norm(b: GraphBuilder, x, name: str, eps: float):
     w = b.weight(name)
     if w.dtype != _F32:
@@ -462,7 +432,7 @@ class BlockDrafter(Proposer):
         self.target = None
         self.kv: KVCache | None = None
         self.pool = None
-        self._w = _JointWeights(self.model.weights, target.weights)
+        self._w = JointWeights(self.model.weights, target.weights, TGT)
         self._plans: OrderedDict[tuple, object] = OrderedDict()
         self._seqs: dict[int, _Seq] = {}
         self._picker = DraftTokenPicker(a.n_vocab, salt=0xD1A5)

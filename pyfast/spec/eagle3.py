@@ -50,7 +50,7 @@ import numpy as np
 
 from pyfast._loader import native
 from pyfast.memory.kv_cache import KVCache, KVCacheFull
-from pyfast.models.base import BatchShape, GraphBuilder, TensorSpec, Weights, head_name
+from pyfast.models.base import BatchShape, GraphBuilder, JointWeights, TensorSpec, Weights, head_name
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
 from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer
 
@@ -154,36 +154,6 @@ def tensors(a: Eagle3Args) -> list[TensorSpec]:
              TensorSpec("output.weight", (a.n_vocab_draft, d), optional=True),
              TensorSpec("d2t", (a.n_vocab_draft,), optional=True)]
     return specs
-
-
-class _Weights:
-    """The head's tensors plus the target's under ``target/`` names, as GraphBuilder reads them."""
-
-    def __init__(self, own: Weights, target: Weights):
-        self.own, self.target = own, target
-
-    def _src(self, name: str):
-        return (self.target, name[len(TGT):]) if name.startswith(TGT) else (self.own, name)
-
-    def __contains__(self, name: str) -> bool:
-        w, n = self._src(name)
-        return n in w
-
-    def dtype(self, name):
-        w, n = self._src(name)
-        return w.dtype(n)
-
-    def shape(self, name):
-        w, n = self._src(name)
-        return w.shape(n)
-
-    def data(self, name):
-        w, n = self._src(name)
-        return w.data(n)
-
-    def matmul_data(self, name):
-        w, n = self._src(name)
-        return w.matmul_data(n)
 
 
 class Eagle3Model:
@@ -323,7 +293,7 @@ class Eagle3Proposer(Proposer):
         self.capture_layers = self.head.check_target(target)
         self.model = target
         self.args = self.head.args
-        self.weights = _Weights(self.head.weights, target.weights)
+        self.weights = JointWeights(self.head.weights, target.weights, TGT)
         a = self.args
         self._embd = "token_embd.weight" if a.own_embd else TGT + "token_embd.weight"
         self._head = "output.weight" if a.own_head else TGT + head_name(target.args)
