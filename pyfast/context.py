@@ -37,6 +37,24 @@ def default_threads() -> int:
     return max(1, n)
 
 
+
+def cached_plan(owner, key, build):
+    """The compiled plan for `key` from owner._plans, an OrderedDict kept as an LRU of at most
+    owner.max_plans plans; a missing one is made by build() and counted in owner.n_plan_builds.
+    Contexts and the model-based drafters (MTP, EAGLE-3, DFlash) keep their plans this way."""
+    plans = owner._plans
+    plan = plans.get(key)
+    if plan is not None:
+        plans.move_to_end(key)
+        return plan
+    plan = build()
+    owner.n_plan_builds += 1
+    plans[key] = plan
+    while len(plans) > owner.max_plans:
+        plans.popitem(last=False)
+    return plan
+
+
 class Context:
     """Owns the memory of one or more sequences and runs batches through the model.
 
@@ -152,8 +170,8 @@ class Context:
             (shape.n_tokens, shape.n_kv, shape.n_out, shape.n_seg)
         if self.kv_swa is not None:
             key += (shape.n_kv_swa,)
-        plan = self._plans.get(key)
-        if plan is None:
+
+        def build():
             if self.kv_swa is not None:
                 b = self.model.build(shape, self.kv, export_hidden=self.export_hidden, kv_swa=self.kv_swa,
                                      capture=self.capture_layers)
@@ -162,14 +180,9 @@ class Context:
             else:
                 b = self.model.build(shape, self.kv, rec=self.rec, export_hidden=self.export_hidden,
                                      capture=self.capture_layers)
-            plan = native.Plan(b.g, self.pool, self.device, self.arenas)
-            self.n_plan_builds += 1
-            self._plans[key] = plan
-            while len(self._plans) > self.max_plans:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return plan
+            return native.Plan(b.g, self.pool, self.device, self.arenas)
+
+        return cached_plan(self, key, build)
 
     # --- decoding --------------------------------------------------------------------------
     def decode(self, tokens: Sequence[int], positions: Sequence[int] | None = None,

@@ -202,3 +202,17 @@ class DraftTokenPicker:
         if r.p_min > 0.0 and float(q.max()) < r.p_min:
             return None
         return s.sample_from_probs(q), q
+
+
+def free_cells(kv, seqs: dict, need: int) -> bool:
+    """Whether a drafter's KV cache has `need` free cells, after dropping the rows of retired
+    sequences (seqs: id -> state with a ``retired`` flag; dropped ones leave `seqs`) when it had
+    not: the model-based drafters keep a finished sequence's rows until the room is needed."""
+    if kv.n_ctx - kv.n_used >= need:
+        return True
+    for s in [s for s, st in seqs.items() if st.retired]:
+        kv.remove_seq(s)
+        del seqs[s]
+        if kv.n_ctx - kv.n_used >= need:
+            return True
+    return False

@@ -57,10 +57,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pyfast._loader import native
+from pyfast.context import cached_plan
 from pyfast.memory.kv_cache import KVCache
 from pyfast.models.base import BatchShape, GraphBuilder, JointWeights, TensorSpec, Weights, _elem_stride
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells
 
 __all__ = ["ARCH", "BlockArgs", "BlockDrafterModel", "BlockDrafter", "make_block_drafter"]
 
@@ -489,41 +490,26 @@ class BlockDrafter(Proposer):
         return w.dtype(name), w.derived("markov_w1[d2t]", make)
 
     def _plan(self, kind: str, n: int, n_kv: int):
-        key = (kind, n, n_kv)
-        plan = self._plans.get(key)
-        if plan is not None:
-            self._plans.move_to_end(key)
-            return plan
-        a = self.args
-        if kind == "inject":
-            b = _Builder(self._w, BatchShape(n, n_kv, 1), self.kv)
-            build_inject(b, a)
-        else:
-            T = a.block_size * n
-            b = GraphBuilder(self._w, BatchShape(T, n_kv, T), self.kv)
-            e1d = None
-            rows = self._markov_draft_rows()
-            if rows is not None:
-                dt, arr = rows
-                e1d = b.g.external("markov_w1_draft", dt, [a.n_vocab_draft, a.markov_rank], arr)
-            build_block(b, a, n, e1d)
-        plan = native.Plan(b.g, self.pool, self._device())
-        self.n_plan_builds += 1
-        self._plans[key] = plan
-        while len(self._plans) > self.max_plans:
-            self._plans.popitem(last=False)
-        return plan
+        def build():
+            a = self.args
+            if kind == "inject":
+                b = _Builder(self._w, BatchShape(n, n_kv, 1), self.kv)
+                build_inject(b, a)
+            else:
+                T = a.block_size * n
+                b = GraphBuilder(self._w, BatchShape(T, n_kv, T), self.kv)
+                e1d = None
+                rows = self._markov_draft_rows()
+                if rows is not None:
+                    dt, arr = rows
+                    e1d = b.g.external("markov_w1_draft", dt, [a.n_vocab_draft, a.markov_rank], arr)
+                build_block(b, a, n, e1d)
+            return native.Plan(b.g, self.pool, self._device())
+
+        return cached_plan(self, (kind, n, n_kv), build)
 
     def _free_cells(self, need: int) -> bool:
-        kv = self.kv
-        if kv.n_ctx - kv.n_used >= need:
-            return True
-        for s in [s for s, st in self._seqs.items() if st.retired]:
-            kv.remove_seq(s)
-            del self._seqs[s]
-            if kv.n_ctx - kv.n_used >= need:
-                return True
-        return False
+        return free_cells(self.kv, self._seqs, need)
 
     # --- sequences ---------------------------------------------------------------------------
     def begin(self, seq: int, prompt) -> None:

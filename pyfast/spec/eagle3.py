@@ -49,10 +49,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyfast._loader import native
+from pyfast.context import cached_plan
 from pyfast.memory.kv_cache import KVCache, KVCacheFull
 from pyfast.models.base import BatchShape, GraphBuilder, JointWeights, TensorSpec, Weights, head_name
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells
 
 __all__ = ["ARCH", "Eagle3Args", "Eagle3Model", "Eagle3Proposer", "check_d2t", "default_layers", "make_eagle3"]
 
@@ -346,32 +347,17 @@ class Eagle3Proposer(Proposer):
             self.pool = native.ThreadPool(self.n_threads or default_threads())
 
     def _plan(self, mode: str, n_tokens: int, n_kv: int):
-        key = (mode, n_tokens, n_kv)
-        plan = self._plans.get(key)
-        if plan is None:
+        def make():
             b = GraphBuilder(self.weights, BatchShape(n_tokens, n_kv, n_tokens), self.kv)
             logits = build(b, self.args, mode, self._head, self._embd)
             if logits is not None:
                 b.g.output(logits, "logits")
-            plan = native.Plan(b.g, self.pool, getattr(self.target, "device", None))
-            self.n_plan_builds += 1
-            self._plans[key] = plan
-            while len(self._plans) > self.max_plans:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return plan
+            return native.Plan(b.g, self.pool, getattr(self.target, "device", None))
+
+        return cached_plan(self, (mode, n_tokens, n_kv), make)
 
     def _free_cells(self, need: int) -> bool:
-        kv = self.kv
-        if kv.n_ctx - kv.n_used >= need:
-            return True
-        for s in [s for s, st in self._seqs.items() if st.retired]:
-            kv.remove_seq(s)
-            del self._seqs[s]
-            if kv.n_ctx - kv.n_used >= need:
-                return True
-        return False
+        return free_cells(self.kv, self._seqs, need)
 
     def _decode(self, mode: str, toks, pos, seqs, x):
         """One head decode: "kv" writes catch-up pairs (in micro-batches, nothing returned);

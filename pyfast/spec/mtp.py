@@ -45,10 +45,11 @@ from types import ModuleType
 import numpy as np
 
 from pyfast._loader import native
+from pyfast.context import cached_plan
 from pyfast.memory.kv_cache import KVCache
 from pyfast.models import BatchShape, Model
 from pyfast.models.base import GraphBuilder
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells
 
 __all__ = ["MTPProposer", "mtp_impl", "check_mtp"]
 
@@ -204,34 +205,18 @@ class MTPProposer(Proposer):
             self.pool = native.ThreadPool(self.n_threads or default_threads())
 
     def _plan(self, draft: bool, n_tokens: int, n_kv: int):
-        key = (draft, n_tokens, n_kv)
-        plan = self._plans.get(key)
-        if plan is None:
+        def build():
             n_out = n_tokens if draft else 1
             b = GraphBuilder(self.model.weights, BatchShape(n_tokens, n_kv, n_out), self.kv)
             logits = self.impl.build_nextn(b, self.args, 0)
             if draft:  # catch-up plans output only "hidden": the head is never run for them
                 b.g.output(logits, "logits")
-            plan = native.Plan(b.g, self.pool, self._device())
-            self.n_plan_builds += 1
-            self._plans[key] = plan
-            while len(self._plans) > self.max_plans:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return plan
+            return native.Plan(b.g, self.pool, self._device())
+
+        return cached_plan(self, (draft, n_tokens, n_kv), build)
 
     def _free_cells(self, need: int) -> bool:
-        """Make room for `need` cells, dropping retired sequences' rows first."""
-        kv = self.kv
-        if kv.n_ctx - kv.n_used >= need:
-            return True
-        for s in [s for s, st in self._seqs.items() if st.retired]:
-            kv.remove_seq(s)
-            del self._seqs[s]
-            if kv.n_ctx - kv.n_used >= need:
-                return True
-        return False
+        return free_cells(self.kv, self._seqs, need)
 
     def _decode(self, draft: bool, toks: np.ndarray, pos: np.ndarray, seqs: np.ndarray, h: np.ndarray):
         """One MTP decode (catch-up: KV only, in micro-batches; draft: every row's logits and
