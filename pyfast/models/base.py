@@ -90,20 +90,44 @@ class Weights:
 
     def _read_all(self) -> None:
         """Read the tensor-data section into a native buffer that asks for transparent huge
-        pages: every decode streams all the weights, and mapped file pages are 4 KiB."""
+        pages: every decode streams all the weights, and mapped file pages are 4 KiB. Files over
+        64 MiB are read in up to four parts by as many threads (reads release the GIL, and the
+        kernel's page copies and huge-page faults then run in parallel: a cached 1.1 GB file
+        took 0.15 s with two threads against 0.27 s with one)."""
         try:
             lo, hi = int(self.reader.data_offset), int(self.reader.file_size)
-            buf = native.Buffer(max(hi - lo, 1), huge_pages=True)
+            total = max(hi - lo, 1)
+            buf = native.Buffer(total, huge_pages=True)
             view = memoryview(buf)
-            with open(self.reader.path, "rb") as f:
-                f.seek(lo)
-                n = 0
-                while n < hi - lo:
-                    got = f.readinto(view[n:])
-                    if not got:
-                        raise ValueError(f"{self.reader.path}: file ended at byte {lo + n} while reading "
-                                         f"tensor data up to byte {hi}")
-                    n += got
+            parts = max(1, min(4, os.cpu_count() or 1, total >> 26))
+            step = -(-total // parts)
+            step = -(-step // (2 << 20)) * (2 << 20)  # whole huge pages per part
+            errors: list[BaseException] = []
+            fd = os.open(self.reader.path, os.O_RDONLY)
+            try:
+                def read(a: int, b: int) -> None:
+                    try:
+                        while a < b:
+                            got = os.preadv(fd, [view[a:b]], lo + a)
+                            if not got:
+                                raise ValueError(f"{self.reader.path}: file ended at byte {lo + a} while "
+                                                 f"reading tensor data up to byte {hi}")
+                            a += got
+                    except BaseException as e:
+                        errors.append(e)
+
+                helpers = [threading.Thread(target=read, args=(i * step, min(total, (i + 1) * step)),
+                                            name="pyfast-weights", daemon=True)
+                           for i in range(1, parts) if i * step < hi - lo]
+                for t in helpers:
+                    t.start()
+                read(0, min(hi - lo, step))
+                for t in helpers:
+                    t.join()
+            finally:
+                os.close(fd)
+            if errors:
+                raise errors[0]
             self._host = np.frombuffer(buf, dtype=np.uint8)  # keeps buf alive
         except BaseException as e:  # re-raised by the first data() call
             self._load_error = e
