@@ -4,31 +4,11 @@ DeepSpec dense DSpark, speculators / SpecForge), written as Hugging Face directo
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
 
-_ST = {np.dtype("<f4"): "F32", np.dtype("<i8"): "I64", np.dtype("bool"): "BOOL"}
-
-
-def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
-    head, blobs, off = {}, [], 0
-    for k, a in tensors.items():
-        a = np.ascontiguousarray(a)
-        if a.dtype == np.float64:
-            a = a.astype("<f4")
-        b = a.tobytes()
-        head[k] = {"dtype": _ST[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(head).encode()
-    h += b" " * ((8 - len(h) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
+from tests.spec.hf_checkpoint import write_safetensors  # noqa: F401 (re-exported)
 
 
 def make_hf_drafter(out_dir, fmt: str, *, n_vocab: int, target_n_embd: int, target_layers: list[int],
