@@ -216,3 +216,16 @@ def free_cells(kv, seqs: dict, need: int) -> bool:
         if kv.n_ctx - kv.n_used >= need:
             return True
     return False
+
+
+def seq_rows(seqs, pos, who: str | None = None):
+    """For each sequence of a batch, in order of first appearance: (seq, its row indices in
+    position order, their positions). who: the proposer's name, to refuse a sequence whose
+    positions in the batch are not consecutive (None: no check)."""
+    for s in dict.fromkeys(seqs.tolist()):
+        idx = np.flatnonzero(seqs == s)
+        idx = idx[np.argsort(pos[idx], kind="stable")]
+        pp = pos[idx]
+        if who is not None and idx.size > 1 and not bool(np.all(np.diff(pp) == 1)):
+            raise ValueError(f"{who}: sequence {s} has non-consecutive positions in a batch")
+        yield s, idx, pp

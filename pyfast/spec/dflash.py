@@ -61,7 +61,7 @@ from pyfast.context import cached_plan
 from pyfast.memory.kv_cache import KVCache
 from pyfast.models.base import BatchShape, GraphBuilder, JointWeights, TensorSpec, Weights, _elem_stride
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells, seq_rows
 
 __all__ = ["ARCH", "BlockArgs", "BlockDrafterModel", "BlockDrafter", "make_block_drafter"]
 
@@ -552,10 +552,8 @@ class BlockDrafter(Proposer):
         feats = batch.layer_features(self.capture_layers) if batch.features is not None else None
         verify = batch.kind == "verify"
         rows, plans = [], []
-        for s in dict.fromkeys(seqs.tolist()):
-            idx = np.flatnonzero(seqs == s)
-            idx = idx[np.argsort(pos[idx], kind="stable")]
-            P = int(pos[idx[0]])
+        for s, idx, pp in seq_rows(seqs, pos):
+            P = int(pp[0])
             st = self._seqs.get(s)
             if st is None or P == 0:
                 st = self._seqs[s] = _Seq()

@@ -53,7 +53,7 @@ from pyfast.context import cached_plan
 from pyfast.memory.kv_cache import KVCache, KVCacheFull
 from pyfast.models.base import BatchShape, GraphBuilder, JointWeights, TensorSpec, Weights, head_name
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells, seq_rows
 
 __all__ = ["ARCH", "Eagle3Args", "Eagle3Model", "Eagle3Proposer", "check_d2t", "default_layers", "make_eagle3"]
 
@@ -448,12 +448,7 @@ class Eagle3Proposer(Proposer):
         verify = batch.kind == "verify"
         zero = np.zeros(F, dtype=np.float32)
         w_tok, w_pos, w_seq, w_f = [], [], [], []
-        for s in dict.fromkeys(seqs.tolist()):
-            idx = np.flatnonzero(seqs == s)
-            idx = idx[np.argsort(pos[idx], kind="stable")]
-            pp = pos[idx]
-            if idx.size > 1 and not bool(np.all(np.diff(pp) == 1)):
-                raise ValueError(f"draft-eagle3: sequence {s} has non-consecutive positions in a batch")
+        for s, idx, pp in seq_rows(seqs, pos, "draft-eagle3"):
             P0 = int(pp[0])
             st = self._seqs.get(s)
             if st is None or P0 == 0:

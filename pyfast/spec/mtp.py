@@ -49,7 +49,7 @@ from pyfast.context import cached_plan
 from pyfast.memory.kv_cache import KVCache
 from pyfast.models import BatchShape, Model
 from pyfast.models.base import GraphBuilder
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells, seq_rows
 
 __all__ = ["MTPProposer", "mtp_impl", "check_mtp"]
 
@@ -324,12 +324,7 @@ class MTPProposer(Proposer):
         keep_rows, h_in, plan_rows = [], [], []
         d = self.args.n_embd
         zero = np.zeros(d, dtype=np.float32)
-        for s in dict.fromkeys(seqs.tolist()):
-            idx = np.flatnonzero(seqs == s)
-            idx = idx[np.argsort(pos[idx], kind="stable")]
-            pp = pos[idx]
-            if idx.size > 1 and not bool(np.all(np.diff(pp) == 1)):
-                raise ValueError(f"draft-mtp: sequence {s} has non-consecutive positions in a batch")
+        for s, idx, pp in seq_rows(seqs, pos, "draft-mtp"):
             P = int(pp[0])
             st = self._seqs.get(s)
             if st is None or P == 0:
