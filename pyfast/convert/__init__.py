@@ -62,6 +62,28 @@ def to_bf16_bits(a: np.ndarray) -> np.ndarray:
     return out.astype(np.uint16)
 
 
+def parse_outtype(outtype: str) -> tuple[str, int, int]:
+    """(name, GGML type of the weight matrices, general.file_type) for an --outtype value."""
+    ot = str(outtype).lower()
+    if ot not in OUTTYPES:
+        raise ValueError(f"unknown output type {outtype!r}; use one of {', '.join(OUTTYPES)}")
+    return (ot,) + tuple(OUTTYPES[ot])
+
+
+def encode_tensor(a: np.ndarray, tid: int, shape: tuple, name: str) -> np.ndarray:
+    """A produced tensor as GGML type tid stores it (0 F32, 1 F16, 30 BF16, 26 I32), after
+    checking its shape."""
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: produced shape {a.shape}, expected {tuple(shape)}")
+    if tid == 26:
+        return np.ascontiguousarray(a, dtype=np.int32)
+    if tid == 0:
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if tid == 1:
+        return np.ascontiguousarray(a, dtype=np.float16)
+    return to_bf16_bits(a)
+
+
 def _read_config(hf_dir: str) -> dict:
     if not os.path.isdir(hf_dir):
         raise ValueError(f"{hf_dir}: not a directory (give a Hugging Face model directory)")
@@ -118,10 +140,7 @@ def convert(hf_dir, out_path, mtp: bool = True, outtype: str = "f32",
 
     t0 = time.perf_counter()
     hf_dir, out_path = os.fspath(hf_dir), os.fspath(out_path)
-    ot = str(outtype).lower()
-    if ot not in OUTTYPES:
-        raise ValueError(f"unknown output type {outtype!r}; use one of {', '.join(OUTTYPES)}")
-    mat_type, file_type = OUTTYPES[ot]
+    ot, mat_type, file_type = parse_outtype(outtype)
     cfg = _read_config(hf_dir)
     arch, fam = _arch_of(cfg, os.path.join(hf_dir, "config.json"))
     hp = fam.hparams(arch, cfg)
@@ -148,14 +167,7 @@ def convert(hf_dir, out_path, mtp: bool = True, outtype: str = "f32",
         tid = 0 if t.keep_f32 else mat_type
 
         def produce(t=t, tid=tid):
-            a = t.produce()
-            if a.shape != t.shape:
-                raise ValueError(f"{t.name}: produced shape {a.shape}, expected {t.shape}")
-            if tid == 0:
-                return np.ascontiguousarray(a, dtype=np.float32)
-            if tid == 1:
-                return np.ascontiguousarray(a, dtype=np.float16)
-            return to_bf16_bits(a)
+            return encode_tensor(t.produce(), tid, t.shape, t.name)
 
         w.add_tensor(t.name, tid, t.shape, produce)
         if log is not None:

@@ -146,17 +146,14 @@ def _plan_meta(cfg: dict, fmt: str, path: str) -> dict[str, Any]:
 def convert_draft(hf_dir, out_path, outtype: str = "f32", log: Callable[[str], None] | None = None):
     """Convert a DFlash / DSpark drafter directory to a GGUF file; returns a ConvertResult
     (``n_mtp`` = 0). ValueError names what is wrong."""
-    from pyfast.convert import OUTTYPES, QUANTIZATION_VERSION, ConvertResult, _read_config, to_bf16_bits
+    from pyfast.convert import QUANTIZATION_VERSION, ConvertResult, _read_config, encode_tensor, parse_outtype
     from pyfast.convert.decoder import rope_metadata
     from pyfast.gguf.writer import GGUFWriter
     from pyfast.spec.dflash import check_d2t
 
     t0 = time.perf_counter()
     hf_dir, out_path = os.fspath(hf_dir), os.fspath(out_path)
-    ot = str(outtype).lower()
-    if ot not in OUTTYPES:
-        raise ValueError(f"unknown output type {outtype!r}; use one of {', '.join(OUTTYPES)}")
-    mat_type, file_type = OUTTYPES[ot]
+    _, mat_type, file_type = parse_outtype(outtype)
     cfg = _read_config(hf_dir)
     cpath = os.path.join(hf_dir, "config.json")
     fmt = detect(cfg)
@@ -262,16 +259,7 @@ def convert_draft(hf_dir, out_path, outtype: str = "f32", log: Callable[[str], N
     w.add("general.quantization_version", QUANTIZATION_VERSION, "uint32")
     for name, tid, shape, produce in tensors:
         def make(produce=produce, tid=tid, shape=shape, name=name):
-            x = produce()
-            if tuple(x.shape) != shape:
-                raise ValueError(f"{name}: produced shape {x.shape}, expected {shape}")
-            if tid == 26:
-                return np.ascontiguousarray(x, dtype=np.int32)
-            if tid == 0:
-                return np.ascontiguousarray(x, dtype=np.float32)
-            if tid == 1:
-                return np.ascontiguousarray(x, dtype=np.float16)
-            return to_bf16_bits(x)
+            return encode_tensor(produce(), tid, shape, name)
 
         w.add_tensor(name, tid, shape, make)
         if log is not None:

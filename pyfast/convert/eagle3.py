@@ -235,15 +235,12 @@ def plan(cfg: dict, src: _Weights) -> _Plan:
 def convert_eagle3(hf_dir, out_path, outtype: str = "f32", log: Callable[[str], None] | None = None):
     """Convert the EAGLE-3 head checkpoint in ``hf_dir`` to the GGUF ``out_path``; returns a
     ``pyfast.convert.ConvertResult`` (n_mtp = 0)."""
-    from pyfast.convert import OUTTYPES, QUANTIZATION_VERSION, ConvertResult, _read_config, to_bf16_bits
+    from pyfast.convert import QUANTIZATION_VERSION, ConvertResult, _read_config, encode_tensor, parse_outtype
     from pyfast.gguf.writer import GGUFWriter
 
     t0 = time.perf_counter()
     hf_dir, out_path = os.fspath(hf_dir), os.fspath(out_path)
-    ot = str(outtype).lower()
-    if ot not in OUTTYPES:
-        raise ValueError(f"unknown output type {outtype!r}; use one of {', '.join(OUTTYPES)}")
-    mat_type, file_type = OUTTYPES[ot]
+    ot, mat_type, file_type = parse_outtype(outtype)
     cfg = _read_config(hf_dir)
     p = plan(cfg, _Weights(hf_dir))
     w = GGUFWriter(out_path)
@@ -258,16 +255,7 @@ def convert_eagle3(hf_dir, out_path, outtype: str = "f32", log: Callable[[str], 
         tid = 26 if name == "d2t" else (0 if keep_f32 else mat_type)   # 26: GGML I32
 
         def make(produce=produce, tid=tid, shape=shape, name=name):
-            a = produce()
-            if a.shape != shape:
-                raise ValueError(f"{name}: produced shape {a.shape}, expected {shape}")
-            if tid == 26:
-                return np.ascontiguousarray(a, dtype=np.int32)
-            if tid == 0:
-                return np.ascontiguousarray(a, dtype=np.float32)
-            if tid == 1:
-                return np.ascontiguousarray(a, dtype=np.float16)
-            return to_bf16_bits(a)
+            return encode_tensor(produce(), tid, shape, name)
 
         w.add_tensor(name, tid, shape, make)
         if log is not None:
