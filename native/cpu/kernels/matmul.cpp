@@ -6,9 +6,10 @@
 // to 16 weight rows x 64 activation rows; each thread takes a contiguous range of items
 // (weight-chunk major, so a thread reuses its weight rows from cache across row chunks). With at
 // most kPrivateRows rows each thread quantizes all of them into its own area instead, and there
-// is no barrier (cpu_matmul_syncs tells the plan which case a node is); a thread done with its
-// range then takes the remaining items of the others from their far end (WorkRanges, cpu.h), so
-// that decode steps do not wait for the thread whose share of the memory bandwidth was smallest.
+// is no barrier (cpu_matmul_syncs tells the plan which case a node is). Either way a thread done
+// with its range then takes the remaining items of the others from their far end (WorkRanges,
+// cpu.h), so that a step does not wait for the thread whose core or share of the memory bandwidth
+// was slowest.
 // Float weights read x in place (no barrier). Each output element is computed by exactly one
 // kernel call with a fixed per-pair reduction order (see cpu/quant/quant.h), so results do not
 // depend on M, the thread count or the tiling.
