@@ -25,7 +25,10 @@ continuous-batching scheduler.
   ``len - 4 - n_ubatch``; the prompt's decode is split there) and at the end of each reply. A new
   request whose common prefix with the slot's tokens covers the whole state continues from it;
   otherwise the newest checkpoint at or before the common prefix is restored (the KV cache is
-  simply truncated to it) and the prompt is decoded from there; failing that, from scratch.
+  simply truncated to it) and the prompt is decoded from there; failing that, from scratch. A
+  checkpoint also keeps the proposers' state at its position (``Proposer.save_state``: the
+  feature or hidden row an EAGLE-3 head or the MTP block reads next), so drafting after a
+  restore is that of a slot that never went further.
   Speculative drafts longer than the rollback limit save the state before the verify decode and
   restore it and replay the accepted tokens after (in the shared round).
 * **Output** goes back to the event loop in one ``call_soon_threadsafe`` per step, as
@@ -206,11 +209,14 @@ class Job:
 @dataclass
 class Checkpoint:
     """A slot's recurrent state after its first ``n_tokens`` tokens (no KV rows: restoring it
-    truncates the slot's KV cache to ``n_tokens``, whose rows are still those tokens' rows)."""
+    truncates the slot's KV cache to ``n_tokens``, whose rows are still those tokens' rows), and
+    what the speculative proposers need to draft on from there (``SpecDecoder.save_state``: e.g.
+    an EAGLE-3 head's deferred feature row, the MTP block's carry)."""
 
     n_tokens: int
     state: object      # pyfast.memory.hybrid.SeqState saved with kv=False
     nbytes: int
+    spec: tuple | None = None
 
 
 class Slot:
@@ -498,6 +504,7 @@ class Engine:
                 try:
                     self.ctx.restore_state(slot.id, cp.state)
                     n = cp.n_tokens
+                    self.decoder.restore_state(slot.id, n, cp.spec)
                     self.metrics.checkpoints_restored.inc()
                 except Exception:  # a checkpoint that does not fit any more: start over
                     log.exception("restoring a context checkpoint failed")
@@ -520,9 +527,11 @@ class Engine:
                         self.ctx.seq_len(slot.id))
             return
         st = self.ctx.save_state(slot.id, kv=False)
+        spec = self.decoder.save_state(slot.id, n)
         rec = st.rec
         nbytes = 0 if rec is None else int(rec.conv.nbytes + rec.ssm.nbytes)
-        slot.checkpoints.append(Checkpoint(n, st, nbytes))
+        nbytes += sum(int(getattr(x, "nbytes", 0)) for x in spec or ())
+        slot.checkpoints.append(Checkpoint(n, st, nbytes, spec))
         self._ckpt_bytes += nbytes
         self.metrics.checkpoints_created.inc()
         while len(slot.checkpoints) > self.n_checkpoints:  # oldest first

@@ -12,6 +12,10 @@ Lifecycle per sequence::
                                             were accepted (other=True: another proposer won)
     process(batch)                          after every target decode (prompt and verify)
     end(seq)                                when the sequence is released
+
+A server's context checkpoint (hybrid models: the recurrent state at a prompt position n) also
+keeps ``save_state(seq, n)``, what a proposer needs beyond its own caches to draft on from n;
+restoring the checkpoint hands it back to ``restore_state(seq, n, state)``.
 """
 from __future__ import annotations
 
@@ -141,6 +145,17 @@ class Proposer:
         pass
 
     def end(self, seq: int) -> None:
+        pass
+
+    def save_state(self, seq: int, n: int) -> object | None:
+        """What this proposer needs to draft on for ``seq`` after the target's memory of it goes
+        back to its first ``n`` tokens (the sequence holds exactly n tokens now), beyond what its
+        own caches keep for those tokens; None: nothing. Kept with a context checkpoint."""
+        return None
+
+    def restore_state(self, seq: int, n: int, state: object | None) -> None:
+        """The target's memory of ``seq`` went back to its first ``n`` tokens (a context
+        checkpoint); ``state``: what ``save_state(seq, n)`` returned when it was taken."""
         pass
 
     def __repr__(self) -> str:

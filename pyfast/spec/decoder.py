@@ -197,6 +197,18 @@ class SpecDecoder:
                 self.ctx.remove_seq(slot.seq)
         self.slots.pop(slot.seq, None)
 
+    def save_state(self, seq: int, n: int) -> tuple | None:
+        """The proposers' part of a context checkpoint of a sequence holding ``n`` tokens (see
+        ``Proposer.save_state``); None when none of them needs anything."""
+        states = tuple(p.save_state(seq, n) for p in self.proposers)
+        return states if any(s is not None for s in states) else None
+
+    def restore_state(self, seq: int, n: int, states: tuple | None) -> None:
+        """Tell the proposers that the target's memory of ``seq`` went back to its first ``n``
+        tokens; states: what ``save_state(seq, n)`` returned."""
+        for i, p in enumerate(self.proposers):
+            p.restore_state(seq, n, None if states is None else states[i])
+
     def calibrate(self) -> None:
         """Measure verify-batch costs now (adaptive mode does it on first use otherwise)."""
         if self.adaptive is not None:

@@ -428,6 +428,22 @@ class Eagle3Proposer(Proposer):
         self._seqs.pop(seq, None)
         self._picker.forget(seq)
 
+    def save_state(self, seq: int, n: int) -> np.ndarray | None:
+        """The deferred row of a sequence holding n tokens: the target's feature row of position
+        n - 1 (the pairs before it stay in the head's cache)."""
+        st = self._seqs.get(seq)
+        f = st.feature(n - 1) if st is not None and n > 0 else None
+        return None if f is None else f.copy()
+
+    def restore_state(self, seq: int, n: int, state: np.ndarray | None) -> None:
+        st = self._seqs.get(seq)
+        if st is None or self.kv is None:
+            return
+        st.k_next = st.open_p0 = None
+        self._cut(seq, st, n - 1)
+        if state is not None:  # the deferred row of position n - 1; later rows belong to the old history
+            st.rows, st.pos0 = np.asarray(state, dtype=np.float32)[None, :].copy(), n - 1
+
     def _cut(self, seq: int, st: _Seq, n: int) -> None:
         """Keep pairs 0..n-1 (the deferred row becomes position n's, if the window has it)."""
         n = max(0, min(n, st.n_kv))

@@ -283,6 +283,24 @@ class MTPProposer(Proposer):
         self._seqs.pop(seq, None)
         self._picker.forget(seq)
 
+    def save_state(self, seq: int, n: int) -> np.ndarray | None:
+        """The carry of a sequence holding n tokens: the trunk's hidden row of position n - 1
+        (the MTP rows before n stay in the MTP cache)."""
+        st = self._seqs.get(seq)
+        h = st.hidden_at(n - 1) if st is not None and n > 0 else None
+        return None if h is None else h.copy()
+
+    def restore_state(self, seq: int, n: int, state: np.ndarray | None) -> None:
+        st = self._seqs.get(seq)
+        if st is None:
+            return
+        st.k_next = None
+        if st.open_rows:
+            self._settle(seq, st, None)
+        self._cut(seq, st, n)
+        if state is not None:
+            st.rows, st.pos0 = np.asarray(state, dtype=np.float32)[None, :].copy(), n - 1
+
     def _cut(self, seq: int, st: _Seq, m: int) -> None:
         """Forget positions >= m (the history differs there): MTP rows and trunk rows alike."""
         if m >= st.n_mtp:
