@@ -38,6 +38,15 @@ def _file_key(path: str) -> tuple | None:
 _IN_MEMORY: dict[tuple, list] = {}  # file key -> weak references to the Weights holding it in memory
 
 
+# weights that graphs read only through matmul / get_rows (GraphBuilder.mat_weight), by the name
+# between the block prefix and ".weight": packed by the loader as they are read
+_MATMUL_NAMES = frozenset((
+    "token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_gate",
+    "attn_q_a", "attn_q_b", "attn_kv_a_mqa", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps",
+    "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps", "ffn_gate_shexp", "ffn_up_shexp",
+    "ffn_down_shexp", "ssm_in", "ssm_out"))
+
+
 class _Packing:
     """Which tensors of one in-memory copy are packed (x16) and which were handed out row-major
     (never packed afterwards: a graph may read them). Shared by the Weights sharing the copy."""
@@ -93,44 +102,105 @@ class Weights:
         pages: every decode streams all the weights, and mapped file pages are 4 KiB. Files over
         64 MiB are read in up to four parts by as many threads (reads release the GIL, and the
         kernel's page copies and huge-page faults then run in parallel: a cached 1.1 GB file
-        took 0.15 s with two threads against 0.27 s with one)."""
+        took 0.15 s with two threads against 0.27 s with one). The matmul weights (``_eager_pack``)
+        are packed slab by slab right after each slab is read, while the bytes are still in cache
+        and off the start-up path (the caller builds the tokenizer meanwhile; pack_x16 releases
+        the GIL too)."""
         try:
             lo, hi = int(self.reader.data_offset), int(self.reader.file_size)
             total = max(hi - lo, 1)
             buf = native.Buffer(total, huge_pages=True)
             view = memoryview(buf)
+            host = np.frombuffer(buf, dtype=np.uint8)
+            packs = self._eager_pack()  # [(start, end, chunk bytes, dtype, n_cols)] by start
             parts = max(1, min(4, os.cpu_count() or 1, total >> 26))
             step = -(-total // parts)
             step = -(-step // (2 << 20)) * (2 << 20)  # whole huge pages per part
+            # each part boundary moves forward to a 16-row chunk boundary of the packed tensor it
+            # falls in, so that every chunk is read and packed by one thread
+            cuts = [0]
+            for i in range(1, parts):
+                c = min(i * step, hi - lo)
+                for s, e, cb, _, _ in packs:
+                    if s < c < e:
+                        c = min(e, s + -(-(c - s) // cb) * cb)
+                        break
+                cuts.append(max(c, cuts[-1]))
+            cuts.append(hi - lo)
             errors: list[BaseException] = []
             fd = os.open(self.reader.path, os.O_RDONLY)
             try:
                 def read(a: int, b: int) -> None:
+                    while a < b:
+                        got = os.preadv(fd, [view[a:b]], lo + a)
+                        if not got:
+                            raise ValueError(f"{self.reader.path}: file ended at byte {lo + a} while "
+                                             f"reading tensor data up to byte {hi}")
+                        a += got
+
+                def part(a: int, b: int) -> None:
                     try:
-                        while a < b:
-                            got = os.preadv(fd, [view[a:b]], lo + a)
-                            if not got:
-                                raise ValueError(f"{self.reader.path}: file ended at byte {lo + a} while "
-                                                 f"reading tensor data up to byte {hi}")
-                            a += got
+                        for s, e, cb, dt, n_cols in packs:
+                            if e <= a or s >= b:
+                                continue
+                            read(a, max(a, s))  # the bytes before this tensor
+                            # slabs of about 4 MiB: read, then packed while in cache
+                            slab = max(1, (4 << 20) // cb) * cb
+                            a = max(a, s)
+                            while a < min(e, b):
+                                z = min(a + slab, e, b)
+                                read(a, z)
+                                native.pack_x16(dt, host[a:z], (z - a) // cb * 16, n_cols)
+                                a = z
+                        read(a, b)
                     except BaseException as e:
                         errors.append(e)
 
-                helpers = [threading.Thread(target=read, args=(i * step, min(total, (i + 1) * step)),
-                                            name="pyfast-weights", daemon=True)
-                           for i in range(1, parts) if i * step < hi - lo]
+                helpers = [threading.Thread(target=part, args=(cuts[i], cuts[i + 1]), name="pyfast-weights",
+                                            daemon=True) for i in range(1, parts) if cuts[i] < cuts[i + 1]]
                 for t in helpers:
                     t.start()
-                read(0, min(hi - lo, step))
+                part(cuts[0], cuts[1])
                 for t in helpers:
                     t.join()
             finally:
                 os.close(fd)
             if errors:
                 raise errors[0]
-            self._host = np.frombuffer(buf, dtype=np.uint8)  # keeps buf alive
+            if self._pack is not None:
+                with self._pack.lock:
+                    self._pack.packed.update(self._eager_names)
+            self._host = host  # keeps buf alive
         except BaseException as e:  # re-raised by the first data() call
             self._load_error = e
+
+    def _packable(self, name: str) -> bool:
+        """Whether matmul_data packs this tensor (x16 layout, see cpu/quant/quant.h)."""
+        shape = self.shape(name)
+        return len(shape) in (2, 3) and shape[-2] % 16 == 0 and native.packable(self.dtype(name)) \
+            and packing_enabled()
+
+    def _eager_pack(self) -> list[tuple]:
+        """The tensors packed while they are read: the usual matmul weights (by name; any other
+        is packed the first time a graph reads it as one, as before), as (start, end, chunk bytes,
+        dtype, n_cols) in file order. Correctness never depends on this list: a packed tensor read
+        row-major gets an unpacked copy."""
+        out, names = [], []
+        self._eager_names = names
+        if self._pack is None:  # mapped: nothing is packed
+            return out
+        base = int(self.reader.data_offset)
+        for name, info in self.info.items():
+            stem = name.rsplit(".", 1)[0] if name.endswith(".weight") else ""
+            if stem.split(".")[-1] not in _MATMUL_NAMES or not self._packable(name):
+                continue
+            shape = self.shape(name)
+            rows = int(np.prod(shape[:-1]))
+            s = int(info.offset) - base
+            e = s + int(info.nbytes)
+            out.append((s, e, (e - s) // (rows // 16), self.dtype(name), int(shape[-1])))
+            names.append(name)
+        return sorted(out, key=lambda x: x[0])
 
     def _wait_loaded(self) -> None:
         if self._share is not None:
@@ -154,6 +224,8 @@ class Weights:
     def data(self, name: str) -> np.ndarray:
         """The tensor's raw bytes as in the file (read-only uint8)."""
         pk = self._pack
+        if pk is not None:
+            self._wait_loaded()  # the loader packs tensors as it reads them
         if pk is not None and name not in pk.row_major:
             with pk.lock:
                 if name in pk.packed:  # a row-major copy (kept: graphs may reference it)
@@ -171,6 +243,8 @@ class Weights:
     def _file_bytes(self, name: str) -> np.ndarray:
         """The bytes as in the file without handing the tensor out (a copy when it is packed)."""
         pk = self._pack
+        if pk is not None:
+            self._wait_loaded()
         if pk is not None and name in pk.packed:
             return self._unpacked(name)
         return self._raw(name)
@@ -184,13 +258,13 @@ class Weights:
         pk = self._pack
         if pk is None:
             return self.data(name), False
+        self._wait_loaded()
         with pk.lock:
             if name in pk.packed:
                 return self._raw(name), True
             shape = self.shape(name)
             dt = self.dtype(name)
-            if (name not in pk.row_major and len(shape) in (2, 3) and shape[-2] % 16 == 0 and native.packable(dt)
-                    and packing_enabled()):
+            if name not in pk.row_major and self._packable(name):
                 arr = self._raw(name)
                 o = int(self.info[name].offset) - int(self.reader.data_offset)
                 native.pack_x16(dt, self._host[o: o + arr.size], int(np.prod(shape[:-1])), int(shape[-1]))
