@@ -27,6 +27,7 @@ from __future__ import annotations
 import codecs
 import operator
 import threading
+from itertools import compress
 import warnings
 from enum import IntEnum
 from typing import Any, Iterable, Mapping, Sequence
@@ -188,6 +189,12 @@ def _as_list(md: Mapping, key: str, required: bool = True) -> list | None:
     return list(v)
 
 
+def _all_of(items: list, *kinds: type) -> bool:
+    """Whether every item's exact type is one of ``kinds`` (one pass in C, no Python call per item;
+    a bool is not an int here)."""
+    return set(map(type, items)) <= set(kinds)
+
+
 def _check_utf8(tokens: list) -> None:
     """Token texts must be valid UTF-8 (the reader keeps invalid bytes as lone surrogates)."""
     try:
@@ -266,14 +273,19 @@ class Tokenizer:
                 "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece, 'gemma4' SentencePiece-style BPE)")
         self.model = model
 
-        tokens = [_as_str(t) for t in _as_list(md, "tokenizer.ggml.tokens")]
+        # start-up builds this for every model load: whole-list operations in C where a loop per
+        # token would cost tens of milliseconds for a 100k-token vocabulary
+        tokens = _as_list(md, "tokenizer.ggml.tokens")
+        if not _all_of(tokens, str):
+            tokens = [_as_str(t) for t in tokens]
         n = len(tokens)
         if n == 0:
             raise ValueError("GGUF metadata 'tokenizer.ggml.tokens' is empty")
         _check_utf8(tokens)
-        for i, t in enumerate(tokens):
-            if not t:  # as llama.cpp: an empty token can never match; give it a unique name
-                tokens[i] = f"[EMPTY_{i}]"
+        if "" in tokens:
+            for i, t in enumerate(tokens):
+                if not t:  # as llama.cpp: an empty token can never match; give it a unique name
+                    tokens[i] = f"[EMPTY_{i}]"
         vocab = dict(zip(tokens, range(n)))
         if len(vocab) != n:
             seen: dict[str, int] = {}
@@ -292,7 +304,7 @@ class Tokenizer:
                 raise ValueError(
                     f"'tokenizer.ggml.token_type' has {len(types)} entries for {n} tokens")
             types = types[:n]
-            if not all(type(t) is int for t in types):
+            if not _all_of(types, int):
                 bad = next(i for i, t in enumerate(types) if type(t) is not int)
                 raise ValueError(f"GGUF metadata 'tokenizer.ggml.token_type'[{bad}] = {types[bad]!r}: expected an "
                                  "integer token type")
@@ -303,10 +315,10 @@ class Tokenizer:
                 raise ValueError(
                     f"'tokenizer.ggml.scores' has {len(scores)} entries for {n} tokens")
             scores = scores[:n]
-            if not all(type(x) is float or type(x) is int for x in scores):
+            if not _all_of(scores, float, int):
                 bad = next(i for i, x in enumerate(scores) if not (type(x) is float or type(x) is int))
                 raise ValueError(f"GGUF metadata 'tokenizer.ggml.scores'[{bad}] = {scores[bad]!r}: expected a number")
-            scores = [float(x) for x in scores]
+            scores = list(map(float, scores))
 
         self._tokens = tokens
         self._vocab = vocab
@@ -432,9 +444,12 @@ class Tokenizer:
         self._eog = frozenset(eog)
 
         # ---- raw bytes of every token (what llama.cpp's token_to_piece gives with special=true)
+        # ids whose type is not NORMAL (a few dozen in most vocabularies), found without a Python
+        # step per token
+        self._non_normal = list(compress(range(n), map(_T_NORMAL.__ne__, types)))
         self._pieces = self._build_pieces()
         self._special_ids = frozenset(
-            i for i, t in enumerate(types) if t == _T_CONTROL or t == _T_UNKNOWN)
+            i for i in self._non_normal if types[i] == _T_CONTROL or types[i] == _T_UNKNOWN)
 
         # ---- the fast encoder
         if spm:
@@ -480,9 +495,8 @@ class Tokenizer:
         from tokenizers import AddedToken
 
         special, user = [], []
-        for text, t in zip(self._tokens, self._types):
-            if t == _T_NORMAL:
-                continue
+        for i in self._non_normal:
+            text, t = self._tokens[i], self._types[i]
             if t == _T_CONTROL or t == _T_UNKNOWN:
                 special.append(AddedToken(text, single_word=False, lstrip=False, rstrip=False,
                                           normalized=False, special=True))
@@ -491,7 +505,14 @@ class Tokenizer:
                                        normalized=False, special=False))
         return special, user
 
-    def _finish_hf(self, tok):
+    def _finish_hf(self, tok, extra_added=(), *, plain: bool = False):
+        """Adds the vocabulary's user-defined and control tokens to a `tokenizers` tokenizer whose
+        model, normalizer and pre-tokenizer are set (after ``extra_added``, a builder's own added
+        tokens); the parts are kept for the special=False twin (``_plain``)."""
+        if not plain:
+            self._hf_parts = (tok.model, tok.normalizer, tok.pre_tokenizer, list(extra_added))
+        if extra_added:
+            tok.add_tokens(list(extra_added))
         special, user = self._added_tokens()
         if user:
             tok.add_tokens(user)
@@ -504,10 +525,11 @@ class Tokenizer:
 
     def _merge_pairs(self, merges: list) -> list[tuple[str, str]]:
         vocab = self._vocab
+        if not _all_of(merges, str):
+            merges = [_as_str(m) for m in merges]
         pairs = []
         bad = 0
         for m in merges:
-            m = _as_str(m)
             # as llama.cpp: the separator is the first space after the first character
             pos = m.find(" ", 1)
             if pos < 0:
@@ -592,10 +614,8 @@ class Tokenizer:
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
         newline_runs = [t for t, i in vocab.items()
                         if t and t.strip("\n") == "" and self._types[i] == _T_NORMAL and len(t) > 1]
-        if newline_runs:
-            tok.add_tokens([AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False,
-                                       special=False) for t in sorted(newline_runs, key=len, reverse=True)])
-        return self._finish_hf(tok)
+        return self._finish_hf(tok, [AddedToken(t, single_word=False, lstrip=False, rstrip=False, normalized=False,
+                                                special=False) for t in sorted(newline_runs, key=len, reverse=True)])
 
     # ------------------------------------------------------------------ properties
 
@@ -677,9 +697,17 @@ class Tokenizer:
             with self._lock:
                 tok = self._hf_plain
                 if tok is None:
+                    # the same (shared, immutable) model, normalizer and pre-tokenizer objects, and
+                    # the same added tokens: no second vocabulary to build or parse
                     from tokenizers import Tokenizer as HFTokenizer
 
-                    tok = HFTokenizer.from_str(self._hf.to_str())
+                    model, normalizer, pre, extra = self._hf_parts
+                    tok = HFTokenizer(model)
+                    if normalizer is not None:
+                        tok.normalizer = normalizer
+                    if pre is not None:
+                        tok.pre_tokenizer = pre
+                    tok = self._finish_hf(tok, extra, plain=True)
                     tok.encode_special_tokens = True  # control tokens are plain text
                     self._hf_plain = tok
         return tok

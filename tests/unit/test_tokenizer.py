@@ -142,6 +142,19 @@ def test_smollm2_special_parsing(smol):
     assert smol.decode(ids, skip_special=True) == "user\nhi\n"
 
 
+def test_plain_twin_is_the_same_tokenizer(smol_md):
+    """encode(special=False) uses a twin of the encoder built from the same model, normalizer and
+    pre-tokenizer objects (not a serialize + parse of the vocabulary): its configuration equals the
+    encoder's round trip through JSON, control tokens aside."""
+    from tokenizers import Tokenizer as HF
+
+    tok = Tokenizer.from_gguf_metadata(smol_md)
+    plain = tok._plain()
+    assert plain.to_str() == HF.from_str(tok._hf.to_str()).to_str()
+    assert plain.encode_special_tokens and not tok._hf.encode_special_tokens
+    assert plain.model.__class__ is tok._hf.model.__class__
+
+
 def test_smollm2_bos_option(smol):
     assert smol.encode("hi")[0] != smol.bos_id
     assert smol.encode("hi", add_bos=True) == [smol.bos_id] + smol.encode("hi")
