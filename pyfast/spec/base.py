@@ -219,6 +219,23 @@ class DraftTokenPicker:
         return s.sample_from_probs(q), q
 
 
+def make_drafts(requests: list[DraftRequest], drafts: dict[int, list[int]], probs: dict[int, list[np.ndarray]],
+                n_vocab: int | None = None) -> list[Draft | None]:
+    """Each request's Draft (None when it drafted nothing), with the stacked probabilities when
+    there are any (dropped unless they are n_vocab wide, when given)."""
+    out: list[Draft | None] = []
+    for r in requests:
+        d = drafts[r.seq]
+        if not d:
+            out.append(None)
+            continue
+        q = np.stack(probs[r.seq]) if probs[r.seq] else None
+        if q is not None and n_vocab is not None and q.shape[1] != n_vocab:
+            q = None
+        out.append(Draft(np.asarray(d, dtype=np.int32), q))
+    return out
+
+
 def free_cells(kv, seqs: dict, need: int) -> bool:
     """Whether a drafter's KV cache has `need` free cells, after dropping the rows of retired
     sequences (seqs: id -> state with a ``retired`` flag; dropped ones leave `seqs`) when it had

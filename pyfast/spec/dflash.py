@@ -51,8 +51,7 @@ less often (documented mismatch, ``algorithms.md`` §4.6).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,7 +60,8 @@ from pyfast.context import cached_plan
 from pyfast.memory.kv_cache import KVCache
 from pyfast.models.base import BatchShape, GraphBuilder, JointWeights, TensorSpec, Weights, _elem_stride
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells, seq_rows
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest
+from pyfast.spec.model_drafter import DrafterSeq, ModelDrafter
 
 __all__ = ["ARCH", "BlockArgs", "BlockDrafterModel", "BlockDrafter", "make_block_drafter"]
 
@@ -393,25 +393,15 @@ def _top1_prob(row: np.ndarray) -> float:
     return 1.0 / float(np.exp(r - r.max()).sum())
 
 
-@dataclass
-class _Seq:
-    toks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # injected positions 0..
-    k_next: int | None = None     # accept() came before process() of the verify batch
-    open_from: int | None = None  # a verify batch was injected whole from this position; accept() cuts it
-    retired: bool = False
-
-
-class BlockDrafter(Proposer):
+class BlockDrafter(ModelDrafter):
     """The ``draft-dflash`` / ``draft-dspark`` proposer; see the module docstring.
 
     model: a :class:`BlockDrafterModel` or GGUF path; target: the target ``Model`` (its embedding
     and head are shared unless the drafter has its own); n_ctx: the target context's size (the
     drafter's cache mirrors it, plus room for the blocks); kv_dtype: the drafter's cache type
-    (default: the bound target's K type); n_ubatch: largest injection decode.
+    (default: the bound target's K type); n_ubatch: largest injection decode. A sequence's state
+    is a plain DrafterSeq: toks are the positions its cache holds (the injected context).
     """
-
-    provides_probs = True
-    is_model = True
 
     def __init__(self, model, target, n_ctx: int, n_threads: int | None = None, kv_dtype=None,
                  n_ubatch: int = 512, max_plans: int = 32, require_dspark: bool = False):
@@ -425,23 +415,10 @@ class BlockDrafter(Proposer):
         check_target(self.model, target)
         self.capture_layers = a.capture_ids
         self.default_n_max = a.n_read
-        self.n_ctx = int(n_ctx)  # the cache gets room for the blocks of every sequence on top (_ensure)
-        self.n_threads = n_threads
-        self.kv_dtype = kv_dtype
-        self.n_ubatch = max(1, int(n_ubatch))
-        self.max_plans = max_plans
-        self.target = None
-        self.kv: KVCache | None = None
-        self.pool = None
         self._w = JointWeights(self.model.weights, target.weights, TGT)
-        self._plans: OrderedDict[tuple, object] = OrderedDict()
-        self._seqs: dict[int, _Seq] = {}
-        self._picker = DraftTokenPicker(a.n_vocab, salt=0xD1A5)
-        self._e1d = None
-        self.n_plan_builds = 0
-        self.n_decodes = 0
-        self.n_lost = 0          # batches whose features were missing (context incomplete, drafts worse)
-        self.trace: list | None = None  # set to a list to record each draft decode (tests)
+        # the cache gets room for the blocks of every sequence on top (_new_kv); n_lost counts
+        # batches whose features were missing (context incomplete, drafts worse)
+        self._init_drafter(n_ctx, n_threads, kv_dtype, n_ubatch, max_plans, a.n_vocab, salt=0xD1A5)
 
     # --- setup -------------------------------------------------------------------------------
     def bind_target(self, ctx) -> None:
@@ -450,29 +427,13 @@ class BlockDrafter(Proposer):
         if missing:
             raise ValueError(f"{self.name}: the target context captures layers {list(have)} but the drafter reads "
                              f"{list(self.capture_layers)}; create it with capture_layers=capture_layers(proposers)")
-        self.target = ctx
-        if self.pool is None:
-            self.pool = ctx.pool
+        self._attach(ctx)
 
-    def _device(self):
-        return getattr(self.target, "device", None)
-
-    def _ensure(self) -> None:
-        if self.kv is None:
-            a = self.args
-            if self.kv_dtype is not None:
-                dt = self.kv_dtype
-            elif self.target is not None:
-                dt = self.target.kv.dtype
-            else:
-                dt = DType.F16
-            n_seq = max(8, int(getattr(self.target, "n_seq_max", 0) or 0))
-            self.kv = KVCache(a.n_layer, self.n_ctx + n_seq * a.block_size, a.n_head_kv, a.head_dim, dt,
-                              device=self._device())
-        if self.pool is None:
-            from pyfast.context import default_threads
-
-            self.pool = native.ThreadPool(self.n_threads or default_threads())
+    def _new_kv(self, dtype, dtype_v) -> KVCache:
+        a = self.args  # (one type for K and V)
+        n_seq = max(8, int(getattr(self.target, "n_seq_max", 0) or 0))
+        return KVCache(a.n_layer, self.n_ctx + n_seq * a.block_size, a.n_head_kv, a.head_dim, dtype,
+                       device=self._device())
 
     def _markov_draft_rows(self):
         """E1 re-indexed by draft row (``E1[d2t]``) for a reduced vocabulary, as a graph tensor."""
@@ -508,31 +469,23 @@ class BlockDrafter(Proposer):
 
         return cached_plan(self, (kind, n, n_kv), build)
 
-    def _free_cells(self, need: int) -> bool:
-        return free_cells(self.kv, self._seqs, need)
-
     # --- sequences ---------------------------------------------------------------------------
     def begin(self, seq: int, prompt) -> None:
         self._ensure()
-        st = self._seqs.get(seq)
-        if st is None:
+        if seq not in self._seqs:
             self.kv.remove_seq(seq)
-            return
-        st.retired, st.k_next, st.open_from = False, None, None
-        p = np.asarray(prompt, dtype=np.int32)
+        super().begin(seq, prompt)
+
+    def _resume(self, seq: int, st: DrafterSeq, prompt: np.ndarray) -> None:
+        p = prompt.astype(np.int32, copy=False)
         n = min(st.toks.size, p.size)
         diff = np.flatnonzero(st.toks[:n] != p[:n])
-        m = int(diff[0]) if diff.size else n
-        self._cut(seq, st, m)
-        self._picker.forget(seq)
+        self._cut(seq, st, int(diff[0]) if diff.size else n)
 
-    def end(self, seq: int) -> None:
-        st = self._seqs.get(seq)
-        if st is not None:
-            st.retired = True
-        self._picker.forget(seq)
+    def _keep(self, seq: int, st: DrafterSeq, n: int) -> None:
+        self._cut(seq, st, n)  # (its cache holds every injected row: nothing else to keep)
 
-    def _cut(self, seq: int, st: _Seq, n: int) -> None:
+    def _cut(self, seq: int, st: DrafterSeq, n: int) -> None:
         """Keep positions < n of a sequence."""
         self.kv.truncate(seq, n)
         st.toks = st.toks[: max(n, 0)]
@@ -551,19 +504,8 @@ class BlockDrafter(Proposer):
         pos = np.asarray(batch.positions, dtype=np.int32).reshape(-1)
         feats = batch.layer_features(self.capture_layers) if batch.features is not None else None
         verify = batch.kind == "verify"
-        rows, plans = [], []
-        for s, idx, pp in seq_rows(seqs, pos):
-            P = int(pp[0])
-            st = self._seqs.get(s)
-            if st is None or P == 0:
-                st = self._seqs[s] = _Seq()
-            elif st.open_from is not None:
-                self._settle(s, st, None)
-            k = None
-            if verify:
-                k = (batch.n_accepted or {}).get(s, st.k_next)
-                st.k_next = None
-            n = idx.size if k is None else min(int(k) + 1, idx.size)
+        rows = []
+        for s, st, P, idx, n, k in self._batch_seqs(batch, check=False):
             self._cut(s, st, P)
             if feats is None:  # no features: the context stops here (drafts get worse, output stays exact)
                 self.n_lost += 1
@@ -571,10 +513,8 @@ class BlockDrafter(Proposer):
             if st.toks.size < P:
                 self.n_lost += 1
             rows.append(idx[:n])
-            gap = np.full(P - st.toks.size, -1, dtype=np.int32)
-            st.toks = np.concatenate([st.toks, gap, toks[idx[:n]]])
-            st.open_from = P if (verify and k is None) else None
-            plans.append(s)
+            st.put_toks(P, toks[idx[:n]])
+            st.open_at = P if (verify and k is None) else None
         if not rows:
             return
         r = np.concatenate(rows)
@@ -582,11 +522,7 @@ class BlockDrafter(Proposer):
 
     def _inject(self, toks, pos, seqs, feat) -> None:
         T = toks.size
-        if not self._free_cells(T):
-            from pyfast.memory.kv_cache import KVCacheFull
-
-            raise KVCacheFull(f"{self.name}: drafter KV cache is full ({self.kv.n_ctx} cells, {self.kv.n_used} used, "
-                              f"{T} more needed)")
+        self._need_cells(T)
         for u0 in range(0, T, self.n_ubatch):
             u1 = min(T, u0 + self.n_ubatch)
             slots = self.kv.prepare(seqs[u0:u1], pos[u0:u1])
@@ -597,20 +533,11 @@ class BlockDrafter(Proposer):
             plan.run()
             self.n_decodes += 1
 
-    def _settle(self, seq: int, st: _Seq, k: int | None) -> None:
+    def _settle(self, seq: int, st: DrafterSeq, k: int | None) -> None:
         """Close a verify batch injected whole: keep its first k+1 rows."""
-        if st.open_from is not None and k is not None:
-            self._cut(seq, st, st.open_from + int(k) + 1)
-        st.open_from = None
-
-    def accept(self, seq: int, n_accepted: int, other: bool = False) -> None:
-        st = self._seqs.get(seq)
-        if st is None:
-            return
-        if st.open_from is not None:
-            self._settle(seq, st, n_accepted)
-        else:
-            st.k_next = int(n_accepted)
+        if st.open_at is not None and k is not None:
+            self._cut(seq, st, st.open_at + int(k) + 1)
+        st.open_at = None
 
     # --- drafting (§4.4 - §4.6) --------------------------------------------------------------
     def draft(self, requests: list[DraftRequest]) -> list[Draft | None]:
@@ -631,17 +558,11 @@ class BlockDrafter(Proposer):
         anchor = np.array([int(r.tokens[-1]) for r in live], dtype=np.int32)
         sid = np.array([r.seq for r in live], dtype=np.int32)
         for r, npast in zip(live, n_past.tolist()):
-            st = self._seqs.get(r.seq)
-            if st is None:
-                st = self._seqs[r.seq] = _Seq()
-            if st.open_from is not None:
-                self._settle(r.seq, st, None)
+            st = self._draft_seq(r.seq)
             self._cut(r.seq, st, npast)           # drop any scratch rows
-            m = min(st.toks.size, npast)
-            known = st.toks[:m]
-            diff = np.flatnonzero((known != r.tokens[:m]) & (known >= 0))
-            if diff.size:                         # the history changed under the cache
-                self._cut(r.seq, st, int(diff[0]))
+            d = st.first_diff(r.tokens, npast)
+            if d is not None:                     # the history changed under the cache
+                self._cut(r.seq, st, d)
                 self.n_lost += 1
         # full blocks, slot-major: row = slot * B + s
         slot = np.repeat(np.arange(bs, dtype=np.int32), B)

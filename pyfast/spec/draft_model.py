@@ -19,7 +19,7 @@ import numpy as np
 
 from pyfast.context import Context
 from pyfast.models import Model
-from pyfast.spec.base import Draft, DraftRequest, DraftTokenPicker, Proposer
+from pyfast.spec.base import Draft, DraftRequest, DraftTokenPicker, Proposer, make_drafts
 
 
 def check_vocab_compatible(target: Model, draft: Model) -> None:
@@ -137,14 +137,4 @@ class DraftModelProposer(Proposer):
                     nxt.append(r)
             live = nxt
 
-        out: list[Draft | None] = []
-        for r in requests:
-            d = drafts[r.seq]
-            if not d:
-                out.append(None)
-                continue
-            q = np.stack(probs[r.seq]) if probs[r.seq] else None
-            if q is not None and q.shape[1] != n_vocab:
-                q = None
-            out.append(Draft(np.asarray(d, dtype=np.int32), q))
-        return out
+        return make_drafts(requests, drafts, probs, n_vocab)

@@ -43,17 +43,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from pyfast._loader import native
 from pyfast.context import cached_plan
-from pyfast.memory.kv_cache import KVCache, KVCacheFull
+from pyfast.memory.kv_cache import KVCache
 from pyfast.models.base import BatchShape, GraphBuilder, JointWeights, TensorSpec, Weights, head_name
 from pyfast.models.rope import ROPE_NEOX, Rope, read_rope
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells, seq_rows
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest
+from pyfast.spec.model_drafter import DrafterSeq, ModelDrafter
 
 __all__ = ["ARCH", "Eagle3Args", "Eagle3Model", "Eagle3Proposer", "check_d2t", "default_layers", "make_eagle3"]
 
@@ -249,32 +249,19 @@ def build(b: GraphBuilder, a: Eagle3Args, mode: str, head: str, embd: str):
 
 
 @dataclasses.dataclass
-class _Seq:
-    """The head's view of one sequence.
+class _Seq(DrafterSeq):
+    """The head's view of one sequence (and DrafterSeq's toks / k_next / open_at).
 
     n_kv:  pairs for positions 0..n_kv-1 are in the head's KV cache; the deferred row is the
-           target's feature row of position n_kv (its pair waits for token n_kv + 1).
-    toks:  the target's tokens at positions 0..n_kv (-1 where never seen), to notice a history
-           that changed under the cache.
+           target's feature row of position n_kv (its pair waits for token n_kv + 1). toks holds
+           the target's tokens at positions 0..n_kv.
     pos0, rows: the target's feature rows of positions pos0 .. pos0 + len(rows) - 1 (a window).
-    open_p0: a verify batch starting at this position was processed without its accept count.
     """
 
     n_kv: int = 0
-    toks: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    pos0: int = 0
-    rows: np.ndarray | None = None
-    k_next: int | None = None
-    open_p0: int | None = None
-    retired: bool = False
-
-    def feature(self, p: int) -> np.ndarray | None:
-        if self.rows is None or p < self.pos0 or p >= self.pos0 + self.rows.shape[0]:
-            return None
-        return self.rows[p - self.pos0]
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(ModelDrafter):
     """Drafts with an EAGLE-3 head (see the module docstring).
 
     head: an Eagle3Model or a GGUF path; target: the target Model; n_ctx: cells of the head's KV
@@ -284,9 +271,9 @@ class Eagle3Proposer(Proposer):
     """
 
     name = "draft-eagle3"
-    provides_probs = True
-    is_model = True
     default_n_max = 3
+    kv_what = "the head's KV cache"
+    new_seq = _Seq
 
     def __init__(self, head: "Eagle3Model | str | os.PathLike", target, n_ctx: int, n_threads: int | None = None,
                  kv_dtype: "native.DType | None" = None, n_ubatch: int = 512, max_plans: int = 32):
@@ -300,21 +287,7 @@ class Eagle3Proposer(Proposer):
         self._head = "output.weight" if a.own_head else TGT + head_name(target.args)
         self.d2t = self.head.d2t
         self.n_vocab = target.n_vocab
-        self.n_ctx = int(n_ctx) + 64
-        self.n_threads = n_threads
-        self.kv_dtype = kv_dtype
-        self.n_ubatch = max(1, int(n_ubatch))
-        self.max_plans = max_plans
-        self.target = None
-        self.kv: KVCache | None = None
-        self.pool = None
-        self._plans: OrderedDict[tuple, object] = OrderedDict()
-        self._seqs: dict[int, _Seq] = {}
-        self._picker = DraftTokenPicker(self.n_vocab, salt=0xEA93)
-        self.n_plan_builds = 0
-        self.n_decodes = 0      # head decodes (catch-up and draft steps)
-        self.n_lost = 0         # pairs written without their target features (zeros instead)
-        self.trace: list | None = None  # set to a list to record draft steps (tests)
+        self._init_drafter(int(n_ctx) + 64, n_threads, kv_dtype, n_ubatch, max_plans, self.n_vocab, salt=0xEA93)
 
     # --- setup -----------------------------------------------------------------------------
     def bind_target(self, ctx) -> None:
@@ -326,25 +299,11 @@ class Eagle3Proposer(Proposer):
                              "pyfast.LLM does this when draft-eagle3 is configured)")
         if ctx.model.n_vocab != self.n_vocab:
             raise ValueError("draft-eagle3: the target context runs another model than the head was checked against")
-        self.target = ctx
-        if self.pool is None:
-            self.pool = ctx.pool
+        self._attach(ctx)
 
-    def _ensure(self) -> None:
-        if self.kv is None:
-            a = self.args
-            if self.kv_dtype is not None:
-                dtype, dtype_v = self.kv_dtype, None
-            elif self.target is not None:
-                dtype, dtype_v = self.target.kv.dtype, self.target.kv.dtype_v
-            else:
-                dtype, dtype_v = DType.F16, None
-            self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, dtype_v=dtype_v,
-                              device=getattr(self.target, "device", None))
-        if self.pool is None:
-            from pyfast.context import default_threads
-
-            self.pool = native.ThreadPool(self.n_threads or default_threads())
+    def _new_kv(self, dtype, dtype_v) -> KVCache:
+        a = self.args
+        return KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, dtype_v=dtype_v, device=self._device())
 
     def _plan(self, mode: str, n_tokens: int, n_kv: int):
         def make():
@@ -352,39 +311,16 @@ class Eagle3Proposer(Proposer):
             logits = build(b, self.args, mode, self._head, self._embd)
             if logits is not None:
                 b.g.output(logits, "logits")
-            return native.Plan(b.g, self.pool, getattr(self.target, "device", None))
+            return native.Plan(b.g, self.pool, self._device())
 
         return cached_plan(self, (mode, n_tokens, n_kv), make)
-
-    def _free_cells(self, need: int) -> bool:
-        return free_cells(self.kv, self._seqs, need)
 
     def _decode(self, mode: str, toks, pos, seqs, x):
         """One head decode: "kv" writes catch-up pairs (in micro-batches, nothing returned);
         "feat" / "hid" run draft rows and return (logits [T, V_d], z [T, d])."""
-        T = toks.size
-        if not self._free_cells(T):
-            raise KVCacheFull(f"draft-eagle3: the head's KV cache is full ({self.kv.n_ctx} cells, "
-                              f"{self.kv.n_used} used, {T} more needed)")
-        step = self.n_ubatch if mode == "kv" else T
-        out = None
-        name = "h" if mode == "hid" else "f"
-        for u0 in range(0, T, step):
-            u1 = min(T, u0 + step)
-            slots = self.kv.prepare(seqs[u0:u1], pos[u0:u1])
-            plan = self._plan(mode, u1 - u0, slots.n_kv)
-            plan.set_input("tokens", toks[u0:u1])
-            plan.set_input("pos", pos[u0:u1])
-            plan.set_input("out_ids", np.arange(u1 - u0, dtype=np.int32))
-            plan.set_input("kv_idx", slots.rows)
-            plan.set_input("mask", slots.mask)
-            plan.set_input("kv_order", slots.order)
-            plan.set_input(name, np.ascontiguousarray(x[u0:u1], dtype=np.float32))
-            plan.run()
-            self.n_decodes += 1
-            if mode != "kv":
-                out = (plan.output("logits"), plan.output("hidden"))
-        return out
+        plan = self._run_rows(mode, toks, pos, seqs, x, "h" if mode == "hid" else "f",
+                              self.n_ubatch if mode == "kv" else toks.size)
+        return None if mode == "kv" else (plan.output("logits"), plan.output("hidden"))
 
     def forward(self, tokens, positions, seq_ids, x, mode: str = "feat") -> tuple[np.ndarray, np.ndarray]:
         """Run rows ``(tokens[t] @ positions[t], x[t])`` (x: target features for mode "feat", the
@@ -405,44 +341,8 @@ class Eagle3Proposer(Proposer):
         return out
 
     # --- sequences -------------------------------------------------------------------------
-    def begin(self, seq: int, prompt) -> None:
-        st = self._seqs.get(seq)
-        if st is not None:  # keep the pairs a reused prompt prefix can resume from (see process)
-            st.retired = False
-            st.k_next = None
-            if st.open_p0 is not None:
-                st.open_p0 = None
-        self._picker.forget(seq)
-
-    def end(self, seq: int) -> None:
-        st = self._seqs.get(seq)
-        if st is not None:
-            st.retired = True
-            st.open_p0 = None
-        self._picker.forget(seq)
-
-    def forget(self, seq: int) -> None:
-        """Drop everything kept for a sequence."""
-        if self.kv is not None:
-            self.kv.remove_seq(seq)
-        self._seqs.pop(seq, None)
-        self._picker.forget(seq)
-
-    def save_state(self, seq: int, n: int) -> np.ndarray | None:
-        """The deferred row of a sequence holding n tokens: the target's feature row of position
-        n - 1 (the pairs before it stay in the head's cache)."""
-        st = self._seqs.get(seq)
-        f = st.feature(n - 1) if st is not None and n > 0 else None
-        return None if f is None else f.copy()
-
-    def restore_state(self, seq: int, n: int, state: np.ndarray | None) -> None:
-        st = self._seqs.get(seq)
-        if st is None or self.kv is None:
-            return
-        st.k_next = st.open_p0 = None
-        self._cut(seq, st, n - 1)
-        if state is not None:  # the deferred row of position n - 1; later rows belong to the old history
-            st.rows, st.pos0 = np.asarray(state, dtype=np.float32)[None, :].copy(), n - 1
+    def _keep(self, seq: int, st: _Seq, n: int) -> None:
+        self._cut(seq, st, n - 1)  # pairs 0..n-2; the deferred row is position n - 1's
 
     def _cut(self, seq: int, st: _Seq, n: int) -> None:
         """Keep pairs 0..n-1 (the deferred row becomes position n's, if the window has it)."""
@@ -451,6 +351,12 @@ class Eagle3Proposer(Proposer):
         st.toks = st.toks[: n + 1]
         self.kv.truncate(seq, n)
 
+    def _settle(self, seq: int, st: _Seq, k: int | None) -> None:
+        """Close a verify batch processed whole: drop the pairs of its rejected rows."""
+        if k is not None:
+            self._cut(seq, st, st.open_at + int(k))
+        st.open_at = None
+
     # --- catch-up --------------------------------------------------------------------------
     def process(self, batch: DecodeBatch) -> None:
         if len(batch.tokens) == 0:
@@ -458,30 +364,17 @@ class Eagle3Proposer(Proposer):
         self._ensure()
         feats = batch.layer_features(self.capture_layers) if batch.features is not None else None
         F = self.args.n_features * self.args.n_embd_target
-        seqs = np.asarray(batch.seq_ids, dtype=np.int32).reshape(-1)
         toks = np.asarray(batch.tokens, dtype=np.int32).reshape(-1)
-        pos = np.asarray(batch.positions, dtype=np.int32).reshape(-1)
         verify = batch.kind == "verify"
         zero = np.zeros(F, dtype=np.float32)
         w_tok, w_pos, w_seq, w_f = [], [], [], []
-        for s, idx, pp in seq_rows(seqs, pos, "draft-eagle3"):
-            P0 = int(pp[0])
-            st = self._seqs.get(s)
-            if st is None or P0 == 0:
-                if st is not None:
-                    self.kv.remove_seq(s)
-                st = self._seqs[s] = _Seq()
-            k = None
-            if verify:
-                k = (batch.n_accepted or {}).get(s, st.k_next)
-                st.k_next = None
-            n = idx.size if k is None else min(int(k) + 1, idx.size)
+        for s, st, P0, idx, n, k in self._batch_seqs(batch):
             use = idx[:n]
             rows = feats[use] if feats is not None else np.zeros((n, F), dtype=np.float32)
             if feats is None:
                 self.n_lost += n
             if P0 > 0:
-                prev = st.feature(P0 - 1)
+                prev = st.row(P0 - 1)
                 if prev is None or st.n_kv < P0 - 1:
                     self.n_lost += 1
                     prev = zero if prev is None else prev
@@ -508,86 +401,40 @@ class Eagle3Proposer(Proposer):
                 p0 += win.shape[0] - WINDOW
                 win = win[-WINDOW:]
             st.rows, st.pos0 = np.ascontiguousarray(win), p0
-            gap = np.full(max(0, P0 - st.toks.size), -1, dtype=np.int32)
-            st.toks = np.concatenate([st.toks[:P0], gap, toks[use]])
+            st.put_toks(P0, toks[use])
             st.n_kv = P0 + n - 1
-            st.open_p0 = P0 if (verify and k is None) else None
+            st.open_at = P0 if (verify and k is None) else None
         if w_tok:
             self._decode("kv", np.concatenate(w_tok), np.concatenate(w_pos), np.concatenate(w_seq),
                          np.concatenate(w_f))
 
-    def accept(self, seq: int, n_accepted: int, other: bool = False) -> None:
-        st = self._seqs.get(seq)
-        if st is None:
-            return
-        if st.open_p0 is not None:  # the verify batch was processed first: drop its rejected rows
-            self._cut(seq, st, st.open_p0 + int(n_accepted))
-            st.open_p0 = None
-        else:                       # process() of the verify batch comes next (SpecDecoder's order)
-            st.k_next = int(n_accepted)
-
     # --- drafting --------------------------------------------------------------------------
     def draft(self, requests: list[DraftRequest]) -> list[Draft | None]:
         self._ensure()
-        drafts: dict[int, list[int]] = {r.seq: [] for r in requests}
-        probs: dict[int, list[np.ndarray]] = {r.seq: [] for r in requests}
-        live, feed_t, feed_p, feed_x = [], [], [], []
+        start = []
         for r in requests:
             n_past = int(r.tokens.size) - 1
             st = self._seqs.get(r.seq)
             if r.n_max < 1 or n_past < 1 or st is None:
                 continue
-            if st.open_p0 is not None:
-                st.open_p0 = None
-            n = min(st.n_kv + 1, st.toks.size, n_past)
-            diff = np.flatnonzero((st.toks[:n] != r.tokens[:n]) & (st.toks[:n] >= 0))
-            if diff.size:                       # the history changed under the head's cache
-                self._cut(r.seq, st, max(int(diff[0]) - 1, 0))
+            if st.open_at is not None:
+                self._settle(r.seq, st, None)
+            d = st.first_diff(r.tokens, min(st.n_kv + 1, st.toks.size, n_past))
+            if d is not None:                   # the history changed under the head's cache
+                self._cut(r.seq, st, max(d - 1, 0))
                 self.n_lost += 1
             if st.n_kv != n_past - 1:
                 self._cut(r.seq, st, min(st.n_kv, n_past - 1))
-            f = st.feature(n_past - 1)
+            f = st.row(n_past - 1)
             if f is None or st.n_kv != n_past - 1:
                 continue                        # the deferred row is unknown: no draft this round
             self.kv.truncate(r.seq, n_past - 1)  # (last round's draft rows are gone already)
-            live.append(r)
-            feed_t.append(int(r.tokens[-1]))
-            feed_p.append(n_past - 1)
-            feed_x.append(f)
-        mode = "feat"
-        while live:
-            if not self._free_cells(len(live)):
-                break
-            toks = np.asarray(feed_t, dtype=np.int32)
-            pos = np.asarray(feed_p, dtype=np.int32)
-            seqs = np.asarray([r.seq for r in live], dtype=np.int32)
-            x = np.stack(feed_x)
-            logits, z = self._decode(mode, toks, pos, seqs, x)
-            full = self.scatter(logits)
-            if self.trace is not None:
-                self.trace.append(dict(mode=mode, seqs=seqs.copy(), tokens=toks.copy(), pos=pos.copy(),
-                                       x=x.copy(), logits=logits.copy(), hidden=z.copy()))
-            nl, nt, npos, nx = [], [], [], []
-            for i, r in enumerate(live):
-                t = self._picker.extend(r, full[i], drafts[r.seq], probs[r.seq])
-                if t is None:
-                    continue
-                if len(drafts[r.seq]) < r.n_max:
-                    nl.append(r)
-                    nt.append(t)
-                    npos.append(int(pos[i]) + 1)
-                    nx.append(z[i])
-            live, feed_t, feed_p, feed_x = nl, nt, npos, nx
-            mode = "hid"
-        out: list[Draft | None] = []
-        for r in requests:
-            dr = drafts[r.seq]
-            if not dr:
-                out.append(None)
-                continue
-            q = np.stack(probs[r.seq]) if probs[r.seq] else None
-            out.append(Draft(np.asarray(dr, dtype=np.int32), q))
-        return out
+            start.append((r, int(r.tokens[-1]), n_past - 1, f))
+        return self._chain(requests, start)
+
+    def _step(self, step: int, toks, pos, seqs, x):
+        logits, z = self._decode("feat" if step == 0 else "hid", toks, pos, seqs, x)
+        return logits, self.scatter(logits), z
 
 
 def make_eagle3(cfg, target, n_ctx: int, n_threads: int | None = None) -> Eagle3Proposer:

@@ -39,7 +39,6 @@ Qwen3-Next: the block's output after its head norm, matching the trunk's post-no
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from types import ModuleType
 
 import numpy as np
@@ -49,7 +48,8 @@ from pyfast.context import cached_plan
 from pyfast.memory.kv_cache import KVCache
 from pyfast.models import BatchShape, Model
 from pyfast.models.base import GraphBuilder
-from pyfast.spec.base import DecodeBatch, Draft, DraftRequest, DraftTokenPicker, Proposer, free_cells, seq_rows
+from pyfast.spec.base import DecodeBatch, Draft, DraftRequest
+from pyfast.spec.model_drafter import DrafterSeq, ModelDrafter
 
 __all__ = ["MTPProposer", "mtp_impl", "check_mtp"]
 
@@ -98,44 +98,27 @@ def check_mtp(model: Model) -> ModuleType:
 
 
 @dataclasses.dataclass
-class _Seq:
-    """What the proposer knows of one sequence.
+class _Seq(DrafterSeq):
+    """What the proposer knows of one sequence (and DrafterSeq's toks / k_next / open_at).
 
     n_mtp:  the MTP KV holds this sequence's catch-up rows for positions 0..n_mtp-1 (rows beyond
-            are draft rows, dropped before the next decode).
-    toks:   the tokens at positions 0..n_mtp-1 (to notice a history that changed under it; -1 where
-            a batch skipped positions the proposer never saw).
+            are draft rows, dropped before the next decode); toks covers the same positions.
     pos0, rows: trunk hidden rows for positions pos0..pos0+len(rows)-1 (position -1 is the zero
             vector); the last row is carry_in (position n_mtp-1). Holds the previous batch's
             carry and the rows of the last target batch (verify_rows) still valid.
-    k_next: an accept count given before the verify batch's process() (the decoder's order).
-    open_rows: a verify batch was processed without a known accept count: rows are provisional
-            until accept().
     """
 
     n_mtp: int = 0
-    toks: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     pos0: int = -1
-    rows: np.ndarray | None = None
-    k_next: int | None = None
-    open_rows: bool = False
-    retired: bool = False
 
     def common(self, tokens) -> int:
         """Length of the common prefix of toks and `tokens`."""
         n = min(self.n_mtp, len(tokens))
-        a = self.toks[:n]
-        diff = np.flatnonzero((a != np.asarray(tokens[:n])) & (a >= 0))
-        return int(diff[0]) if diff.size else n
-
-    def hidden_at(self, p: int) -> np.ndarray | None:
-        if self.rows is None:
-            return None
-        i = p - self.pos0
-        return self.rows[i] if 0 <= i < self.rows.shape[0] else None
+        d = self.first_diff(tokens, n)
+        return n if d is None else d
 
 
-class MTPProposer(Proposer):
+class MTPProposer(ModelDrafter):
     """Drafts with the target model's MTP block; see the module docstring.
 
     model: the target Model (its MTP block and weights are used); n_ctx: cells of the MTP KV
@@ -145,31 +128,19 @@ class MTPProposer(Proposer):
     """
 
     name = "draft-mtp"
-    provides_probs = True
-    is_model = True
     needs_hidden = True
     default_n_max = 3
+    kv_what = "MTP KV cache"
+    new_seq = _Seq
+    trace_x = "h"
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int | None = None,
                  kv_dtype: "native.DType | None" = None, n_ubatch: int = 512, max_plans: int = 32):
         self.impl = check_mtp(model)
         self.model = model
         self.args = model.args
-        self.n_ctx = int(n_ctx) + 64  # the target's cells plus room for the draft rows
-        self.n_threads = n_threads
-        self.kv_dtype = kv_dtype
-        self.n_ubatch = max(1, int(n_ubatch))
-        self.max_plans = max_plans
-        self.target = None            # the bound target Context
-        self.kv: KVCache | None = None
-        self.pool = None
-        self._plans: OrderedDict[tuple, object] = OrderedDict()
-        self._seqs: dict[int, _Seq] = {}
-        self._picker = DraftTokenPicker(self.model.n_vocab, salt=0x3A7D)
-        self.n_plan_builds = 0
-        self.n_decodes = 0            # MTP decodes (catch-up and draft steps)
-        self.n_lost = 0               # batches whose carry could not be recovered (zero carry used)
-        self.trace: list | None = None  # set to a list to record draft steps (tests)
+        # the target's cells plus room for the draft rows
+        self._init_drafter(int(n_ctx) + 64, n_threads, kv_dtype, n_ubatch, max_plans, model.n_vocab, salt=0x3A7D)
 
     # --- setup -----------------------------------------------------------------------------
     def bind_target(self, ctx) -> None:
@@ -179,30 +150,13 @@ class MTPProposer(Proposer):
                              "export_hidden=True (pyfast.LLM does this when draft-mtp is configured)")
         if ctx.model.args.n_embd != self.args.n_embd or ctx.model.n_vocab != self.model.n_vocab:
             raise ValueError("draft-mtp: the target context runs another model than the MTP block's")
-        self.target = ctx
-        if self.pool is None:
-            self.pool = ctx.pool
+        self._attach(ctx)
 
-    def _device(self):
-        """The target context's device (the MTP block runs beside the target)."""
-        return getattr(self.target, "device", None)
-
-    def _ensure(self) -> None:
-        if self.kv is None:
-            a = self.args
-            if self.kv_dtype is not None:
-                dtype, dtype_v = self.kv_dtype, None
-            elif self.target is not None:  # the target's cache types
-                dtype, dtype_v = self.target.kv.dtype, self.target.kv.dtype_v
-            else:
-                dtype, dtype_v = native.DType.F16, None
-            # head_dim_v: MLA blocks (DeepSeek / GLM) keep a value row narrower than the key row
-            self.kv = KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, getattr(a, "head_dim_v", None),
-                              dtype_v=dtype_v, device=self._device(), v_in_k=getattr(a, "v_in_k", False))
-        if self.pool is None:
-            from pyfast.context import default_threads
-
-            self.pool = native.ThreadPool(self.n_threads or default_threads())
+    def _new_kv(self, dtype, dtype_v) -> KVCache:
+        a = self.args
+        # head_dim_v: MLA blocks (DeepSeek / GLM) keep a value row narrower than the key row
+        return KVCache(1, self.n_ctx, a.n_head_kv, a.head_dim, dtype, getattr(a, "head_dim_v", None),
+                       dtype_v=dtype_v, device=self._device(), v_in_k=getattr(a, "v_in_k", False))
 
     def _plan(self, draft: bool, n_tokens: int, n_kv: int):
         def build():
@@ -215,37 +169,12 @@ class MTPProposer(Proposer):
 
         return cached_plan(self, (draft, n_tokens, n_kv), build)
 
-    def _free_cells(self, need: int) -> bool:
-        return free_cells(self.kv, self._seqs, need)
-
     def _decode(self, draft: bool, toks: np.ndarray, pos: np.ndarray, seqs: np.ndarray, h: np.ndarray):
         """One MTP decode (catch-up: KV only, in micro-batches; draft: every row's logits and
         post-norm output). Returns (logits, hidden) for a draft step, None for a catch-up."""
         T = toks.size
-        if not self._free_cells(T):
-            from pyfast.memory.kv_cache import KVCacheFull
-
-            raise KVCacheFull(f"draft-mtp: MTP KV cache is full ({self.kv.n_ctx} cells, {self.kv.n_used} used, "
-                              f"{T} more needed)")
-        step = T if draft else self.n_ubatch
-        logits = hidden = None
-        for u0 in range(0, T, step):
-            u1 = min(T, u0 + step)
-            slots = self.kv.prepare(seqs[u0:u1], pos[u0:u1])
-            plan = self._plan(draft, u1 - u0, slots.n_kv)
-            plan.set_input("tokens", toks[u0:u1])
-            plan.set_input("pos", pos[u0:u1])
-            plan.set_input("out_ids", np.arange(u1 - u0 if draft else 1, dtype=np.int32))
-            plan.set_input("kv_idx", slots.rows)
-            plan.set_input("mask", slots.mask)
-            plan.set_input("kv_order", slots.order)
-            plan.set_input("h", h[u0:u1])
-            plan.run()
-            self.n_decodes += 1
-            if draft:
-                logits = plan.output("logits")
-                hidden = plan.output("hidden")
-        return (logits, hidden) if draft else None
+        plan = self._run_rows(draft, toks, pos, seqs, h, "h", T if draft else self.n_ubatch, None if draft else 1)
+        return (plan.output("logits"), plan.output("hidden")) if draft else None
 
     def forward(self, tokens, positions, seq_ids, h) -> tuple[np.ndarray, np.ndarray]:
         """Run rows ``(tokens[t] @ positions[t], h[t])`` through the MTP block with the draft
@@ -258,48 +187,11 @@ class MTPProposer(Proposer):
                             np.ascontiguousarray(h, dtype=np.float32).reshape(T, self.args.n_embd))
 
     # --- sequences -------------------------------------------------------------------------
-    def begin(self, seq: int, prompt) -> None:
-        st = self._seqs.get(seq)
-        if st is not None:  # keep the rows a reused prompt prefix can resume from (see process)
-            st.retired = False
-            st.k_next = None
-            if st.open_rows:
-                self._settle(seq, st, None)
-            self._cut(seq, st, st.common(np.asarray(prompt)))
-        self._picker.forget(seq)
+    def _resume(self, seq: int, st: _Seq, prompt: np.ndarray) -> None:
+        self._cut(seq, st, st.common(prompt))
 
-    def end(self, seq: int) -> None:
-        st = self._seqs.get(seq)
-        if st is not None:
-            st.retired = True
-            if st.open_rows:
-                self._settle(seq, st, None)
-        self._picker.forget(seq)
-
-    def forget(self, seq: int) -> None:
-        """Drop everything kept for a sequence."""
-        if self.kv is not None:
-            self.kv.remove_seq(seq)
-        self._seqs.pop(seq, None)
-        self._picker.forget(seq)
-
-    def save_state(self, seq: int, n: int) -> np.ndarray | None:
-        """The carry of a sequence holding n tokens: the trunk's hidden row of position n - 1
-        (the MTP rows before n stay in the MTP cache)."""
-        st = self._seqs.get(seq)
-        h = st.hidden_at(n - 1) if st is not None and n > 0 else None
-        return None if h is None else h.copy()
-
-    def restore_state(self, seq: int, n: int, state: np.ndarray | None) -> None:
-        st = self._seqs.get(seq)
-        if st is None:
-            return
-        st.k_next = None
-        if st.open_rows:
-            self._settle(seq, st, None)
+    def _keep(self, seq: int, st: _Seq, n: int) -> None:
         self._cut(seq, st, n)
-        if state is not None:
-            st.rows, st.pos0 = np.asarray(state, dtype=np.float32)[None, :].copy(), n - 1
 
     def _cut(self, seq: int, st: _Seq, m: int) -> None:
         """Forget positions >= m (the history differs there): MTP rows and trunk rows alike."""
@@ -340,18 +232,9 @@ class MTPProposer(Proposer):
         pos = np.asarray(batch.positions, dtype=np.int32).reshape(-1)
         verify = batch.kind == "verify"
         keep_rows, h_in, plan_rows = [], [], []
-        d = self.args.n_embd
-        zero = np.zeros(d, dtype=np.float32)
-        for s, idx, pp in seq_rows(seqs, pos, "draft-mtp"):
-            P = int(pp[0])
-            st = self._seqs.get(s)
-            if st is None or P == 0:
-                if st is not None:
-                    self.kv.remove_seq(s)
-                st = self._seqs[s] = _Seq()
-            elif st.open_rows:
-                self._settle(s, st, None)
-            carry = zero if P == 0 else st.hidden_at(P - 1)
+        zero = np.zeros(self.args.n_embd, dtype=np.float32)
+        for s, st, P, idx, n, k in self._batch_seqs(batch):
+            carry = zero if P == 0 else st.row(P - 1)
             if carry is None or st.n_mtp < P:
                 self.n_lost += 1
                 carry = zero if carry is None else carry
@@ -359,11 +242,6 @@ class MTPProposer(Proposer):
             st.n_mtp = min(st.n_mtp, P)
             st.toks = st.toks[: st.n_mtp]
             # the accepted count, when known already, limits the rows worth decoding
-            k = None
-            if verify:
-                k = (batch.n_accepted or {}).get(s, st.k_next)
-                st.k_next = None
-            n = idx.size if k is None else min(int(k) + 1, idx.size)
             use = idx[:n]
             keep_rows.append(use)
             h_in.append(carry[None, :])
@@ -375,17 +253,16 @@ class MTPProposer(Proposer):
         for s, st, P, idx, n, carry, k in plan_rows:
             st.pos0 = P - 1
             st.rows = np.concatenate([carry[None, :], hid[idx]])    # [carry_in, verify_rows...]
-            gap = np.full(P - st.toks[:P].size, -1, dtype=np.int32)    # positions never seen (lost)
-            st.toks = np.concatenate([st.toks[:P], gap, toks[idx]])
+            st.put_toks(P, toks[idx])                                 # (-1: positions never seen, lost)
             st.n_mtp = P + idx.size
-            st.open_rows = verify and k is None
-            if not st.open_rows:
+            st.open_at = P if (verify and k is None) else None
+            if st.open_at is None:
                 self._settle(s, st, n - 1)
 
     # --- accept (§1.5) ---------------------------------------------------------------------
     def _settle(self, seq: int, st: _Seq, k: int | None) -> None:
         """Close a processed verify batch: keep its first k+1 rows (all when k is None)."""
-        st.open_rows = False
+        st.open_at = None
         if k is None:
             return
         n = min(int(k) + 1, st.rows.shape[0] - 1)   # carry_in = verify_rows[min(k, rows - 1)]
@@ -394,37 +271,21 @@ class MTPProposer(Proposer):
         st.toks = st.toks[: st.n_mtp]
         self.kv.truncate(seq, st.n_mtp)
 
-    def accept(self, seq: int, n_accepted: int, other: bool = False) -> None:
-        st = self._seqs.get(seq)
-        if st is None:
-            return
-        if st.open_rows:   # the verify batch was processed first: settle it now
-            self._settle(seq, st, n_accepted)
-        else:              # process() of the verify batch comes next (SpecDecoder's order)
-            st.k_next = int(n_accepted)
-
     # --- drafting (§1.4) -------------------------------------------------------------------
     def carry_in(self, seq: int, n_past: int) -> np.ndarray:
         """The step-0 hidden input of a sequence whose id_last sits at n_past (zeros if unknown)."""
         st = self._seqs.get(seq)
-        h = st.hidden_at(n_past - 1) if st is not None and n_past > 0 else None
+        h = st.row(n_past - 1) if st is not None and n_past > 0 else None
         return np.zeros(self.args.n_embd, dtype=np.float32) if h is None else h
 
     def draft(self, requests: list[DraftRequest]) -> list[Draft | None]:
         self._ensure()
-        d = self.args.n_embd
-        drafts: dict[int, list[int]] = {r.seq: [] for r in requests}
-        probs: dict[int, list[np.ndarray]] = {r.seq: [] for r in requests}
-        live, feed_t, feed_p, feed_h = [], [], [], []
+        start = []
         for r in requests:
             if r.n_max < 1 or r.tokens.size == 0:
                 continue
             n_past = int(r.tokens.size) - 1
-            st = self._seqs.get(r.seq)
-            if st is None:
-                st = self._seqs[r.seq] = _Seq()
-            if st.open_rows:
-                self._settle(r.seq, st, None)
+            st = self._draft_seq(r.seq)
             self.kv.truncate(r.seq, n_past)     # drop last round's draft rows
             st.n_mtp = min(st.n_mtp, n_past)
             st.toks = st.toks[: st.n_mtp]
@@ -432,41 +293,9 @@ class MTPProposer(Proposer):
             if m < st.n_mtp:                    # the history changed under the MTP's rows
                 self._cut(r.seq, st, m)
                 self.n_lost += 1
-            live.append(r)
-            feed_t.append(int(r.tokens[-1]))
-            feed_p.append(n_past)
-            feed_h.append(self.carry_in(r.seq, n_past))
-        step = 0
-        while live:
-            if not self._free_cells(len(live)):
-                break
-            toks = np.asarray(feed_t, dtype=np.int32)
-            pos = np.asarray(feed_p, dtype=np.int32)
-            seqs = np.asarray([r.seq for r in live], dtype=np.int32)
-            h = np.ascontiguousarray(np.stack(feed_h).reshape(len(live), d), dtype=np.float32)
-            logits, out_h = self._decode(True, toks, pos, seqs, h)
-            if self.trace is not None:
-                self.trace.append(dict(step=step, seqs=seqs.copy(), tokens=toks.copy(), pos=pos.copy(),
-                                       h=h.copy(), logits=logits.copy(), hidden=out_h.copy()))
-            nl, nt, npos, nh = [], [], [], []
-            for i, r in enumerate(live):
-                t = self._picker.extend(r, logits[i], drafts[r.seq], probs[r.seq])
-                if t is None:
-                    continue
-                if len(drafts[r.seq]) < r.n_max:
-                    nl.append(r)
-                    nt.append(t)
-                    npos.append(int(pos[i]) + 1)
-                    nh.append(out_h[i])                # the block's own post-norm output carries
-            live, feed_t, feed_p, feed_h = nl, nt, npos, nh
-            step += 1
+            start.append((r, int(r.tokens[-1]), n_past, self.carry_in(r.seq, n_past)))
+        return self._chain(requests, start)
 
-        out: list[Draft | None] = []
-        for r in requests:
-            dr = drafts[r.seq]
-            if not dr:
-                out.append(None)
-                continue
-            q = np.stack(probs[r.seq]) if probs[r.seq] else None
-            out.append(Draft(np.asarray(dr, dtype=np.int32), q))
-        return out
+    def _step(self, step: int, toks, pos, seqs, x):
+        logits, out_h = self._decode(True, toks, pos, seqs, x)
+        return logits, logits, out_h  # the block's own post-norm output carries
