@@ -141,33 +141,38 @@ def _attention(rules, empty, weights, args, layers: list[int], rank: int, size: 
 
 
 def _ffn(rules, empty, weights, p: str, suffix: str, n_ff: int, rank: int, size: int, rotation: int) -> None:
+    """Rules for one FFN of width n_ff: a dense one (suffix "" or "_shexp") or the routed experts
+    (suffix "_exps": n_ff columns per expert, gate and up also fused as ``ffn_gate_up_exps``)."""
     down = f"{p}.ffn_down{suffix}.weight"
     g = _block(weights, down)
     if n_ff % g:
-        raise SplitError(f"{down}: {n_ff} columns are not whole quant blocks of {g}")
+        per = " per expert" if suffix == "_exps" else ""
+        raise SplitError(f"{down}: {n_ff} columns{per} are not whole quant blocks of {g}")
     a, c = shares(n_ff // g, size, rotation)[rank]
+    gate, up = f"{p}.ffn_gate{suffix}.weight", f"{p}.ffn_up{suffix}.weight"
+    fused = f"{p}.ffn_gate_up_exps.weight" if suffix == "_exps" else None
     if c == 0:
-        empty.add(f"{p}.ffn_gate{suffix}.weight")
-        return
-    piece = ((a * g, c * g),)
-    rules[f"{p}.ffn_gate{suffix}.weight"] = rules[f"{p}.ffn_up{suffix}.weight"] = Rule("rows", piece)
-    rules[down] = Rule("cols", piece)
-
-
-def _experts(rules, empty, weights, p: str, n_ff: int, rank: int, size: int, rotation: int) -> None:
-    down = f"{p}.ffn_down_exps.weight"
-    g = _block(weights, down)
-    if n_ff % g:
-        raise SplitError(f"{down}: {n_ff} columns per expert are not whole quant blocks of {g}")
-    a, c = shares(n_ff // g, size, rotation)[rank]
-    if c == 0:
-        empty.add(f"{p}.ffn_gate_exps.weight")
-        empty.add(f"{p}.ffn_gate_up_exps.weight")
+        empty.add(gate)
+        if fused:
+            empty.add(fused)
         return
     piece = (a * g, c * g)
-    rules[f"{p}.ffn_gate_exps.weight"] = rules[f"{p}.ffn_up_exps.weight"] = Rule("rows", (piece,))
-    rules[f"{p}.ffn_gate_up_exps.weight"] = Rule("rows", (piece, (n_ff + a * g, c * g)))  # [gate | up]
+    rules[gate] = rules[up] = Rule("rows", (piece,))
+    if fused:
+        rules[fused] = Rule("rows", (piece, (n_ff + a * g, c * g)))  # [gate | up]
     rules[down] = Rule("cols", (piece,))
+
+
+def _ffns(rules, empty, weights, args, rank: int, size: int) -> None:
+    """Rules for every layer's FFN: the dense one, or the routed experts and the shared expert."""
+    for i in range(args.n_layer):
+        p = f"blk.{i}"
+        if args.is_moe:
+            _ffn(rules, empty, weights, p, "_exps", args.n_ff_exp, rank, size, i)
+            if getattr(args, "n_ff_shexp", 0):
+                _ffn(rules, empty, weights, p, "_shexp", args.n_ff_shexp, rank, size, i)
+        else:
+            _ffn(rules, empty, weights, p, "", args.n_ff, rank, size, i)
 
 
 def _head(rules, weights, args, rank: int, size: int, info: dict) -> None:
@@ -230,24 +235,14 @@ def plan(arch: str, args, weights, rank: int, size: int) -> SplitPlan:
     info: dict = {}
     if isinstance(args, decoder.Args) and arch in ("llama", "qwen2", "qwen3", "qwen3moe"):
         M = _attention(rules, empty, weights, args, list(range(args.n_layer)), rank, size, qwen35=False)
-        for i in range(args.n_layer):
-            if args.is_moe:
-                _experts(rules, empty, weights, f"blk.{i}", args.n_ff_exp, rank, size, i)
-            else:
-                _ffn(rules, empty, weights, f"blk.{i}", "", args.n_ff, rank, size, i)
+        _ffns(rules, empty, weights, args, rank, size)
         local = dataclasses.replace(args, n_head=max(M, 1) * (args.n_head // args.n_head_kv), n_head_kv=max(M, 1))
     elif isinstance(args, qwen35.Args):
         attn = [i for i, r in enumerate(args.recurrent) if not r]
         rec = [i for i, r in enumerate(args.recurrent) if r]
         M = _attention(rules, empty, weights, args, attn, rank, size, qwen35=True)
         Mk = _gdn(rules, empty, weights, args, rec, rank, size)
-        for i in range(args.n_layer):
-            if args.is_moe:
-                _experts(rules, empty, weights, f"blk.{i}", args.n_ff_exp, rank, size, i)
-                if args.n_ff_shexp:
-                    _ffn(rules, empty, weights, f"blk.{i}", "_shexp", args.n_ff_shexp, rank, size, i)
-            else:
-                _ffn(rules, empty, weights, f"blk.{i}", "", args.n_ff, rank, size, i)
+        _ffns(rules, empty, weights, args, rank, size)
         r = args.n_v_heads // args.n_k_heads
         local = dataclasses.replace(args, n_head=max(M, 1) * (args.n_head // args.n_head_kv), n_head_kv=max(M, 1),
                                     n_k_heads=max(Mk, 1), n_v_heads=max(Mk, 1) * r)
