@@ -60,7 +60,8 @@ __all__ = ["ARCH", "Eagle3Args", "Eagle3Model", "Eagle3Proposer", "check_d2t", "
 ARCH = "eagle3"
 DType = native.DType
 TGT = "target/"     # prefix of the target's tensors inside the head's graphs
-WINDOW = 64         # target feature rows kept per sequence (a resumed prefix finds its deferred row)
+WINDOW = 64         # target feature rows kept per sequence (a resumed prefix finds its deferred row; a
+                    # context checkpoint keeps its own: save_state)
 
 
 def default_layers(n_layer: int) -> tuple[int, ...]:

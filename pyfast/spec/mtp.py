@@ -25,8 +25,10 @@ small window of the trunk rows of the last target batch (``verify_rows``), and f
 The proposer finds where a sequence stands from the positions of each batch: a batch starting at
 position 0 starts the sequence afresh; one starting at P reuses the MTP rows before P and takes
 ``h_{P-1}`` from the window (a reused prompt prefix after a short rollback). If the window does not
-reach back that far (e.g. tokens decoded without telling the proposers), drafting continues with a
-zero carry: drafts get worse, output stays exact (the target verifies everything).
+reach back that far (e.g. tokens decoded without telling the proposers, a KV cache truncated further
+back than the last batch), drafting continues with a zero carry: drafts get worse, output stays exact
+(the target verifies everything). A server context checkpoint keeps the carry of its position
+(``save_state``), so a restore loses nothing.
 
 The target must export hidden rows: create its ``Context`` with ``export_hidden=True``
 (``pyfast.LLM`` does when draft-mtp is configured) and bind it (``SpecDecoder`` calls
