@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "core/arena.h"
@@ -35,16 +36,33 @@ uint8_t* alloc_aligned(size_t n) {
 
 // Op profile (environment variable PYFAST_PROFILE=1): the time each op's kernel shares took,
 // summed over threads, and the time threads waited for each other between groups; printed to
-// stderr when the process exits. Off, it costs one predictable branch per share.
+// stderr when the process exits. PYFAST_PROFILE=2 also lists the matmuls by weight type, shape
+// and rows, with the weight bytes read per second of thread time. Off, it costs one predictable
+// branch per share.
 struct OpProfile {
-  bool on = false;
+  bool on = false, detail = false;
   std::atomic<uint64_t> ns[(int)Op::count + 1] = {}, calls[(int)Op::count + 1] = {};
+  struct MatmulStat {
+    uint64_t ns = 0, shares = 0, runs = 0, bytes = 0;
+  };
+  std::mutex mu;
+  std::map<std::string, MatmulStat> matmuls;
   OpProfile() {
     const char* e = std::getenv("PYFAST_PROFILE");
     on = e && *e && std::strcmp(e, "0") != 0;
+    detail = on && std::strcmp(e, "2") == 0;
   }
   ~OpProfile() {
     if (!on) return;
+    if (detail && !matmuls.empty()) {
+      std::fprintf(stderr, "pyfast matmul profile (thread time):\n%-34s %8s %10s %10s %14s\n", "weight (N x K), rows", "runs",
+                   "ms", "us/run", "GB/s/thread");
+      for (const auto& kv : matmuls) {
+        const MatmulStat& m = kv.second;
+        std::fprintf(stderr, "%-34s %8llu %10.1f %10.2f %14.2f\n", kv.first.c_str(), (unsigned long long)m.runs,
+                     m.ns / 1e6, m.ns / 1e3 / (double)(m.runs ? m.runs : 1), m.ns ? (double)m.bytes / (double)m.ns : 0.0);
+      }
+    }
     uint64_t total = 0;
     for (int i = 0; i <= (int)Op::count; ++i) total += ns[i].load();
     if (!total) return;
@@ -64,6 +82,29 @@ struct OpProfile {
   void add(int op, uint64_t t) {
     ns[op].fetch_add(t, std::memory_order_relaxed);
     calls[op].fetch_add(1, std::memory_order_relaxed);
+  }
+  // One share of a matmul of x by the weights ws (several: fused); the first share of a run
+  // counts the weights' bytes.
+  void add_matmul(const Node& x, const Node* const* ws, int n_w, bool first, uint64_t t) {
+    const Node& w = *ws[0];
+    int64_t N = 0;
+    uint64_t bytes = 0;
+    for (int i = 0; i < n_w; ++i) {
+      N += ws[i]->shape[-2];
+      bytes += span_bytes(ws[i]->dtype, ws[i]->shape);
+    }
+    const int64_t K = w.shape[-1], M = K ? x.shape.numel() / K : 0;
+    char key[96];
+    std::snprintf(key, sizeof key, "%s%s %lld x %lld%s, %lld", dtype_name(w.dtype), w.packed ? " x16" : "",
+                  (long long)N, (long long)K, n_w > 1 ? " (fused)" : w.shape.ndim > 2 ? " (experts)" : "", (long long)M);
+    std::lock_guard<std::mutex> lk(mu);
+    MatmulStat& m = matmuls[key];
+    m.ns += t;
+    m.shares += 1;
+    if (first) {
+      m.runs += 1;
+      m.bytes += bytes;
+    }
   }
 };
 OpProfile g_profile;
@@ -455,7 +496,19 @@ void Plan::run() {
         if (!err) err = std::current_exception();
         if (k < fail_at.load()) fail_at.store(k);
       }
-      if (g_profile.on) g_profile.add((int)nd.op, OpProfile::now() - t0);
+      if (g_profile.on) {
+        const uint64_t t = OpProfile::now() - t0;
+        g_profile.add((int)nd.op, t);
+        if (g_profile.detail && nd.op == Op::matmul) {
+          const Node* ws[kMaxMulti];
+          int n_w = 0;
+          if (!multi_[k].empty())
+            for (int m : multi_[k]) ws[n_w++] = &nodes[nodes[m].src[1]];
+          else
+            ws[n_w++] = &nodes[nd.src[1]];
+          g_profile.add_matmul(nodes[nd.src[0]], ws, n_w, s == 0, t);
+        }
+      }
       p.ith = ith;
     };
     for (size_t k0 = 0; k0 < n_exec;) {

@@ -52,8 +52,8 @@ def test_packing_moves_every_byte(dt):
     for c in range(3):
         a, b = w[16 * c:16 * c + 16].ravel(), p[16 * c:16 * c + 16].ravel()
         np.testing.assert_array_equal(np.sort(a), np.sort(b))
-    # the 16 rows' fp16 scales d of the chunk's first block, in row order (Q6_K keeps d last)
-    at, off = (3328, 208) if dt == Q6_K else (0, 0)
+    # the 16 rows' fp16 scales d of the chunk's first block, in row order (Q6_K: after its scales)
+    at, off = (256, 208) if dt == Q6_K else (0, 0)
     np.testing.assert_array_equal(p[:16].ravel()[at:at + 32].view(np.uint16),
                                   w[:16, off:off + 2].copy().view(np.uint16).ravel())
 
@@ -65,12 +65,18 @@ def test_packed_kquant_layout(dt):
     w = _weight(dt, 16, 512, 7)
     p = _packed(w, dt).ravel()
     bs = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[dt]
-    first_dword = {Q4_K: 16, Q5_K: 16, Q6_K: 0}[dt]      # row offset of the first dword field
+    first_dword = {Q4_K: 16, Q5_K: 16, Q6_K: 192}[dt]    # row offset of the first dword field
     at = {Q4_K: 256, Q5_K: 256, Q6_K: 0}[dt]             # its place in the packed super-block
     for sb in range(2):
         rows = w[:, sb * bs:(sb + 1) * bs]
         vec = p[sb * 16 * bs + at: sb * 16 * bs + at + 64]
         np.testing.assert_array_equal(vec.reshape(16, 4), rows[:, first_dword:first_dword + 4])
+        if dt == Q6_K:  # codes in reading order: per half h and dword g, ql[64h + 4g], ql[64h + 32 + 4g], qh[32h + 4g]
+            for h in range(2):
+                for g in range(8):
+                    for k, off in enumerate((64 * h + 4 * g, 64 * h + 32 + 4 * g, 128 + 32 * h + 4 * g)):
+                        o = sb * 16 * bs + 288 + 1536 * h + 192 * g + 64 * k
+                        np.testing.assert_array_equal(p[o:o + 64].reshape(16, 4), rows[:, off:off + 4])
     np.testing.assert_array_equal(np.asarray(N.unpack_x16(dt, _packed(w, dt), 16, 512)).reshape(w.shape), w)
 
 

@@ -303,7 +303,14 @@ constexpr int packed_at() {
 template <DType WT, bool PK, int FOFF>
 PF_AVX512 PF_INLINE __m512i ldf(const QCtx& c, int64_t B, int64_t rel) {
   constexpr int bs = kPackFmt(WT).bs;
-  if constexpr (PK) {
+  if constexpr (PK && WT == DType::Q6_K && FOFF < 192) {
+    // the interleaved code fields (kPackFmt): ql byte o -> half o / 64, vector (o % 32) / 4,
+    // first or second 32 bytes of the half; qh byte 128 + o -> half o / 32, vector (o % 32) / 4
+    const int64_t o = FOFF + rel;
+    const int64_t at = o < 128 ? 288 + (o >> 6) * 1536 + ((o & 31) >> 2) * 192 + ((o >> 5) & 1) * 64
+                               : 288 + ((o - 128) >> 5) * 1536 + ((o & 31) >> 2) * 192 + 128;
+    return _mm512_loadu_si512(c.pk + B * 16 * bs + at);
+  } else if constexpr (PK) {
     static_assert(packed_at<WT, FOFF>() >= 0, "FOFF must start a field of the block");
     return _mm512_loadu_si512(c.pk + B * 16 * bs + packed_at<WT, FOFF>() + 16 * rel);
   } else {
@@ -699,13 +706,154 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
   for (int i = 0; i < RM; ++i) _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m + i)) + n0, mk, acc[i]);
 }
 
+// Q6_K, one activation row: a half super-block (four blocks) at a time. Its ql bytes hold two
+// blocks each (low / high nibbles) and its qh bytes all four (two bits each), so every code byte
+// is loaded once and the shifts are constants; the four blocks' dot chains run side by side.
+// Same integer sums and float stage as xt_pass (bit-identical).
+template <bool PK>
+PF_AVX512 void xt_q6k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
+  const int64_t nb = c.nb;
+  const int8_t* xq = a.q + m * a.K;
+  const size_t mo = a.meta(m, 0);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  __m512 acc = _mm512_setzero_ps();
+  alignas(64) float sbt[4 * 128];
+  const int32_t* slb = reinterpret_cast<const int32_t*>(sbt + 256);
+  const int32_t* shb = reinterpret_cast<const int32_t*>(sbt + 384);
+  for (int64_t B = 0; B < nb / 8; ++B) {
+    fill_ktables_sb<DType::Q6_K, PK>(c, B, sbt, sbt + 128, reinterpret_cast<int32_t*>(sbt + 256),
+                                     reinterpret_cast<int32_t*>(sbt + 384));
+    for (int h = 0; h < 2; ++h) {
+      const int64_t b0 = B * 8 + 4 * h;
+      if (c.pf_step) {  // the half's bytes of the chunk after next (a fixed count: no loop)
+        constexpr int kPf = 4 * 16 * kSuperBytes<DType::Q6_K> / 8;
+        const char* pf = (const char*)c.pf + b0 * (kPf / 4);
+#pragma GCC unroll 32
+        for (int o = 0; o < kPf; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+      }
+      __m512i z[4][2];
+      for (int jj = 0; jj < 4; ++jj) {
+        const size_t mi = mo + (size_t)(b0 + jj) * 4 - xb.obase;
+        z[jj][0] = _mm512_set1_epi32(xb.o0[mi]);
+        z[jj][1] = _mm512_set1_epi32(xb.o1[mi]);
+      }
+      const int8_t* x = xq + b0 * QK;
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m512i qa = ldf<DType::Q6_K, PK, 0>(c, B, 64 * h + 4 * g);
+        const __m512i qb = ldf<DType::Q6_K, PK, 0>(c, B, 64 * h + 32 + 4 * g);
+        const __m512i qh = ldf<DType::Q6_K, PK, 128>(c, B, 32 * h + 4 * g);
+        const __m512i w0 = _mm512_ternarylogic_epi32(_mm512_and_si512(qa, m4), _mm512_slli_epi32(qh, 4), m30, 0xF8);
+        const __m512i w1 = _mm512_ternarylogic_epi32(_mm512_and_si512(qb, m4), _mm512_slli_epi32(qh, 2), m30, 0xF8);
+        const __m512i w2 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(qa, 4), m4), qh, m30, 0xF8);
+        const __m512i w3 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(qb, 4), m4), _mm512_srli_epi32(qh, 2), m30, 0xF8);
+        const int k = g >> 2;
+        z[0][k] = _mm512_dpbusd_epi32(z[0][k], w0, bcast4(x + 4 * g));
+        z[1][k] = _mm512_dpbusd_epi32(z[1][k], w1, bcast4(x + QK + 4 * g));
+        z[2][k] = _mm512_dpbusd_epi32(z[2][k], w2, bcast4(x + 2 * QK + 4 * g));
+        z[3][k] = _mm512_dpbusd_epi32(z[3][k], w3, bcast4(x + 3 * QK + 4 * g));
+      }
+      for (int jj = 0; jj < 4; ++jj) {
+        const int t = 4 * h + jj;  // block in the super-block
+        const size_t mi = mo + (size_t)(b0 + jj) * 4;
+        const __m512 sl = _mm512_cvtepi32_ps(_mm512_load_si512(slb + t * 16));
+        const __m512 sh = _mm512_cvtepi32_ps(_mm512_load_si512(shb + t * 16));
+        const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), _mm512_load_ps(sbt + t * 16));
+        const __m512 r = _mm512_fmadd_ps(sl, _mm512_cvtepi32_ps(z[jj][0]), _mm512_mul_ps(sh, _mm512_cvtepi32_ps(z[jj][1])));
+        acc = _mm512_fmadd_ps(dxw, r, acc);
+      }
+    }
+  }
+  const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
+  _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
+}
+
+// Q4_K, one activation row: a block pair shares its 32 code bytes (low / high nibbles). The
+// high nibbles go into vpdpbusd in place (16 x the code), and the odd block's scale is taken / 16
+// to match: exact (|16 z| < 2^24, and the scaling by 16 changes no rounding), so the sums and the
+// float stage give xt_pass's results bit for bit with one shift less per code vector.
+// xt_q4k_row's scale tables for super-block B: dw[t] = d * sc_t (odd t: / 16, see there) and
+// mw[t] = -(dmin * m_t), [8][16]. Values as fill_ktables_sb gives them, with fewer vector ops:
+// each scale byte is moved to the bottom of its dword by one vpshufb, and -dmin is formed once
+// (-(dmin * m) == (-dmin) * m exactly).
+template <bool PK>
+PF_AVX512 PF_INLINE void q4k_row_tables(const QCtx& c, int64_t B, float* dw, float* mw) {
+  const __m512 d = ldh<DType::Q4_K, PK>(c, B, 0);
+  const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / 16.0f));
+  const __m512 nd = neg_ps(ldh<DType::Q4_K, PK>(c, B, 2));
+  const __m512i a = ldf<DType::Q4_K, PK, 4>(c, B, 0);  // scales[0..3]
+  const __m512i b = ldf<DType::Q4_K, PK, 4>(c, B, 4);  // scales[4..7]
+  const __m512i e = ldf<DType::Q4_K, PK, 4>(c, B, 8);  // scales[8..11]
+  const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(0x30);
+  for (int j = 0; j < 4; ++j) {
+    // byte j of each dword to its bottom byte, the other bytes zero (vpshufb indexes its 128-bit lane)
+    const __m512i sel = _mm512_set4_epi32((int)(0x8080800Cu + j), (int)(0x80808008u + j), (int)(0x80808004u + j),
+                                          (int)(0x80808000u + j));
+    const __m512i aj = _mm512_shuffle_epi8(a, sel), bj = _mm512_shuffle_epi8(b, sel), ej = _mm512_shuffle_epi8(e, sel);
+    const __m512i sc = _mm512_and_si512(aj, m6), mn = _mm512_and_si512(bj, m6);
+    // j + 4: low 4 bits from scales[8 + j], high 2 bits from the top of scales[j] / scales[4 + j]
+    const __m512i sc4 = _mm512_ternarylogic_epi32(ej, _mm512_srli_epi32(aj, 2), m4, 0xE4);  // m4 ? ej : aj >> 2
+    const __m512i mn4 = _mm512_ternarylogic_epi32(_mm512_srli_epi32(ej, 4), _mm512_srli_epi32(bj, 2), m2, 0xF8);
+    _mm512_store_ps(dw + j * 16, _mm512_mul_ps(j & 1 ? d16 : d, _mm512_cvtepi32_ps(sc)));
+    _mm512_store_ps(mw + j * 16, _mm512_mul_ps(nd, _mm512_cvtepi32_ps(mn)));
+    _mm512_store_ps(dw + (j + 4) * 16, _mm512_mul_ps(j & 1 ? d16 : d, _mm512_cvtepi32_ps(sc4)));
+    _mm512_store_ps(mw + (j + 4) * 16, _mm512_mul_ps(nd, _mm512_cvtepi32_ps(mn4)));
+  }
+}
+
+template <bool PK>
+PF_AVX512 void xt_q4k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
+  (void)xb;
+  const int64_t nb = c.nb;
+  const int8_t* xq = a.q + m * a.K;
+  const size_t mo = a.meta(m, 0);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8((char)0xF0);
+  __m512 acc = _mm512_setzero_ps();
+  alignas(64) float sbt[2 * 128];
+  for (int64_t B = 0; B < nb / 8; ++B) {
+    q4k_row_tables<PK>(c, B, sbt, sbt + 128);
+    for (int p = 0; p < 4; ++p) {
+      const int64_t b0 = B * 8 + 2 * p;
+      if (c.pf_step) {  // the pair's bytes of the chunk after next (a fixed count: no loop)
+        constexpr int kPf = 2 * 16 * kSuperBytes<DType::Q4_K> / 8;
+        const char* pf = (const char*)c.pf + b0 * (kPf / 2);
+#pragma GCC unroll 16
+        for (int o = 0; o < kPf; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+      }
+      const int8_t* x = xq + b0 * QK;
+      __m512i z0 = _mm512_setzero_si512(), z1 = z0, z2 = z0, z3 = z0;
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g += 2) {
+        __m512i q[2];
+        ldf2<DType::Q4_K, PK, 16>(c, B, 32 * p + 4 * g, q[0], q[1]);
+        z0 = _mm512_dpbusd_epi32(z0, _mm512_and_si512(q[0], m4), bcast4(x + 4 * g));
+        z1 = _mm512_dpbusd_epi32(z1, _mm512_and_si512(q[0], mf0), bcast4(x + QK + 4 * g));
+        z2 = _mm512_dpbusd_epi32(z2, _mm512_and_si512(q[1], m4), bcast4(x + 4 * g + 4));
+        z3 = _mm512_dpbusd_epi32(z3, _mm512_and_si512(q[1], mf0), bcast4(x + QK + 4 * g + 4));
+      }
+      const __m512i ze = _mm512_add_epi32(z0, z2), zo = _mm512_add_epi32(z1, z3);
+      for (int st = 0; st < 2; ++st) {
+        const int t = 2 * p + st;
+        const size_t mi = mo + (size_t)(b0 + st) * 4;
+        const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), _mm512_load_ps(sbt + t * 16));
+        acc = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(st ? zo : ze), acc);
+        acc = _mm512_fmadd_ps(_mm512_load_ps(sbt + 128 + t * 16), _mm512_set1_ps(a.f[mi]), acc);
+      }
+    }
+  }
+  const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
+  _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
+}
+
 template <DType WT, int MODE, bool PK = false>
 PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, int rm, const RowView& yv, int64_t n0,
                        int nv) {
   switch (rm) {
 #define PF_XT_CASE(R) \
   case R: \
-    if constexpr (R <= (MODE == kLoad && kIsK<WT> ? kXtLoadRows<WT> : kXtJoin<WT>)) xt_pass<WT, R, MODE, PK>(c, xb, a, m, yv, n0, nv); \
+    if constexpr (WT == DType::Q6_K && MODE == kDecode && R == 1) xt_q6k_row<PK>(c, xb, a, m, yv, n0, nv); \
+    else if constexpr (WT == DType::Q4_K && MODE == kDecode && R == 1) xt_q4k_row<PK>(c, xb, a, m, yv, n0, nv); \
+    else if constexpr (R <= (MODE == kLoad && kIsK<WT> ? kXtLoadRows<WT> : kXtJoin<WT>)) xt_pass<WT, R, MODE, PK>(c, xb, a, m, yv, n0, nv); \
     break;
     PF_XT_CASE(1) PF_XT_CASE(2) PF_XT_CASE(3) PF_XT_CASE(4) PF_XT_CASE(5) PF_XT_CASE(6) PF_XT_CASE(7) PF_XT_CASE(8)
     PF_XT_CASE(9)

@@ -31,7 +31,7 @@ void pack_x16(DType t, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K) {
         for (int i = 0; i < F.n_fields; ++i) {
           const PackField& f = F.f[i];
           for (int u = 0; u < f.bytes / f.unit; ++u)
-            copy_unit(out + f.at + (u * 16 + r) * f.unit, in + f.off + u * f.unit, f.unit);
+            copy_unit(out + f.at + u * f.step() + r * f.unit, in + f.off + u * f.unit, f.unit);
         }
       }
     }
@@ -49,7 +49,7 @@ void unpack_x16(DType t, const uint8_t* chunk, int64_t K, int r0, int nr, uint8_
       for (int k = 0; k < F.n_fields; ++k) {
         const PackField& f = F.f[k];
         for (int u = 0; u < f.bytes / f.unit; ++u)
-          copy_unit(o + f.off + u * f.unit, in + f.at + (u * 16 + r) * f.unit, f.unit);
+          copy_unit(o + f.off + u * f.unit, in + f.at + u * f.step() + r * f.unit, f.unit);
       }
     }
   }

@@ -135,19 +135,23 @@ bool matmul_weight_supported(DType t);
 // keeps the bytes its rows had (offset c * 16 * row_bytes) and block b of it (a super-block for
 // the K-quants) sits at b * 16 * bs (bs = the row-major block's bytes). Inside it, each field of
 // the row-major block (kPackFmt: scales, mins, packed scale bytes, high bits, codes) becomes
-// field.bytes / field.unit vectors of 16 units, unit u of row r at field.at + (u * 16 + r) * unit:
-// fp16 scales as [16] halves (one 32-byte vector per scale), everything else as dwords, so that
-// the 64-byte vector at field.at + 16 * (o - field.off) holds, in lane r, the 4 bytes row r has at
-// byte o of the block. Same values, same arithmetic: results are bit-identical to the row-major
+// field.bytes / field.unit vectors of 16 units, unit u of row r at field.at + u * stride + r * unit
+// (stride 16 * unit unless given): fp16 scales as [16] halves (one 32-byte vector per scale),
+// everything else as dwords, so that a 64-byte vector holds, in lane r, the 4 bytes row r has at
+// one byte offset of the block. The fields are in the order the 1-row kernels read them, so that
+// a chunk is one forward stream (the hardware prefetchers follow it; Q6_K interleaves its code
+// fields for that). Same values, same arithmetic: results are bit-identical to the row-major
 // weight. The model loader packs weights in memory (pyfast.models.base); matmul and get_rows
 // read them.
 struct PackField {
   int off, bytes, unit, at;  // row-major offset and size, unit (2: fp16, 4: dwords), packed offset
+  int stride = 0;            // bytes between the field's vectors (0: 16 * unit, back to back)
+  constexpr int step() const { return stride ? stride : 16 * unit; }
 };
 struct PackFmt {
   int bs = 0;        // bytes of one row-major block (0: not packable)
   int n_fields = 0;
-  PackField f[5] = {};
+  PackField f[8] = {};
 };
 constexpr PackFmt kPackFmt(DType t) {
   switch (t) {
@@ -158,7 +162,11 @@ constexpr PackFmt kPackFmt(DType t) {
     case DType::Q5_K:
       return {176, 5, {{0, 2, 2, 0}, {2, 2, 2, 32}, {4, 12, 4, 64}, {16, 32, 4, 256}, {48, 128, 4, 768}}};
     case DType::Q6_K:
-      return {210, 4, {{0, 128, 4, 0}, {128, 64, 4, 2048}, {192, 16, 4, 3072}, {208, 2, 2, 3328}}};
+      // scales, d, then per half h: vector g of ql[64h ..], ql[64h + 32 ..] and qh[32h ..]
+      // side by side (the three the half's four blocks need for their elements 4g .. 4g + 3)
+      return {210, 8, {{192, 16, 4, 0}, {208, 2, 2, 256},
+                       {0, 32, 4, 288, 192}, {32, 32, 4, 352, 192}, {128, 32, 4, 416, 192},
+                       {64, 32, 4, 1824, 192}, {96, 32, 4, 1888, 192}, {160, 32, 4, 1952, 192}}};
     default: return {};
   }
 }
