@@ -9,7 +9,9 @@ so both see the same machine load; the table reports medians and the pyfast / ll
 
 Measured per file: pp512 and tg128 (llama-bench vs `pyfast bench`'s functions), generation with
 1 thread against the measured read bandwidth, peak RSS while generating 64 tokens and the time
-from loading the model to the first generated token (llama-simple vs pyfast.LLM).
+from loading the model to the first generated token (llama-simple vs pyfast.LLM; medians of
+--startup-runs alternating starts with the file in the page cache, pyfast's bytecode compiled
+once as pip installs it; --startup-only measures just that).
 By default the files are the default model (SmolLM2-135M-Instruct Q4_1) and the same model
 requantized with `pyfast quantize` to Q4_K_M and Q8_0 (made on first use next to the default
 model).
@@ -23,6 +25,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 PROMPT = "Write a haiku about the sea."
@@ -76,10 +79,32 @@ print(first, int(hwm) / 1024)
 """
 
 
+# pyfast as pip installs it, with its modules' bytecode compiled once: a checkout run under
+# PYTHONDONTWRITEBYTECODE=1 would compile every module from source at each start (0.2-0.6 s here)
+_PYC_DIR = tempfile.mkdtemp(prefix="pyfast-bench-pyc-")
+
+
 def pyfast_startup(model: str, threads: int) -> tuple[float, float]:
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=_PYC_DIR)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     out = subprocess.run([sys.executable, "-c", _PYFAST_STARTUP, model, str(threads), PROMPT], check=True,
-                         capture_output=True, text=True).stdout.split()
+                         capture_output=True, text=True, env=env).stdout.split()
     return float(out[0]), float(out[1])
+
+
+def startup_pair(bin_dir: str, model: str, threads: int, runs: int) -> tuple[float, float, float, float]:
+    """Medians of `runs` alternating starts (after one pyfast start that compiles its bytecode and a
+    read of the file into the page cache): llama.cpp seconds, pyfast seconds, llama.cpp MiB, pyfast MiB."""
+    with open(model, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    pyfast_startup(model, threads)
+    ll, pf = [], []
+    for _ in range(runs):
+        ll.append(llama_startup(bin_dir, model, threads))
+        pf.append(pyfast_startup(model, threads))
+    med = statistics.median
+    return med(x[0] for x in ll), med(x[0] for x in pf), med(x[1] for x in ll), med(x[1] for x in pf)
 
 
 def default_models() -> list[str]:
@@ -103,6 +128,8 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per file")
     ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions inside each round")
+    ap.add_argument("--startup-runs", type=int, default=3, help="alternating start-up runs per file (median)")
+    ap.add_argument("--startup-only", action="store_true", help="only the start-up table")
     ap.add_argument("-o", "--output", default=None, help="also write the markdown table here")
     a = ap.parse_args()
     from pyfast.bench import decode_read_bytes, read_bandwidth_gbs
@@ -118,6 +145,12 @@ def main() -> int:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for m in models:
         name = os.path.basename(m)
+        if a.startup_only:
+            lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs)
+            start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
+                         f"| {pr - lr:+.0f} MiB |")
+            print(f"done {name}", file=sys.stderr)
+            continue
         # bytes one token reads (used experts only, no embedding table unless it is the output)
         size = decode_read_bytes(Model(m, mmap=True))
         bws = []
@@ -140,12 +173,14 @@ def main() -> int:
         l1, p1 = statistics.median(ll1), statistics.median(pf1)
         extra.append(f"| {name} | pyfast {p1:.1f} / llama.cpp {l1:.1f} t/s | {bw1:.1f} GB/s | {bound:.0f} t/s "
                      f"| {100 * p1 / bound:.0f}% | {100 * l1 / bound:.0f}% |")
-        lt, lr = llama_startup(a.llama_bin, m, a.threads)
-        pt, pr = pyfast_startup(m, a.threads)
+        lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs)
         start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
                      f"| {pr - lr:+.0f} MiB |")
         print(f"done {name}", file=sys.stderr)
-    text = "\n".join(lines + extra + start)
+    if a.startup_only:
+        lines = [f"Machine: {os.cpu_count()} CPUs; {a.startup_runs} alternating starts per file; "
+                 f"{time.strftime('%Y-%m-%d %H:%M')}; load average before: {os.getloadavg()[0]:.2f}", ""]
+    text = "\n".join((lines if a.startup_only else lines + extra) + start)
     print(text)
     if a.output:
         with open(a.output, "w") as f:
