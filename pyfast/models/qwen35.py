@@ -302,11 +302,15 @@ def gdn_layer(b: GraphBuilder, args: Args, p: str, h, ir: int):
     conv = g.silu(b.ssm_conv(ir, qkv, conv_taps(b, f"{p}.ssm_conv1d.weight")))  # [T, C]
     C = 2 * kd + vd
     st = [C * 4, S * 4, 4]
-    q = g.l2_norm(g.view(conv, [T, Hk, S], st), args.eps)
-    k = g.l2_norm(g.view(conv, [T, Hk, S], st, offset=kd * 4), args.eps)
+    # q and k heads are adjacent in conv: one l2_norm over both ([T, 2 Hk, S]), then views
+    qk = g.l2_norm(g.view(conv, [T, 2 * Hk, S], st), args.eps)
+    qkst = [2 * kd * 4, S * 4, 4]
+    q = g.view(qk, [T, Hk, S], qkst)
+    k = g.view(qk, [T, Hk, S], qkst, offset=kd * 4)
     v = g.view(conv, [T, Hv, S], st, offset=2 * kd * 4)
     o = b.gated_delta_net(ir, q, k, v, decay, beta, args.gdn_broadcast, args.chunk_min)  # [T, Hv, S]
-    o = g.mul(norm(b, o, f"{p}.ssm_norm.weight", args.eps), g.silu(g.reshape(z, [T, Hv, S])))
+    # RMSNorm(o) * SiLU(z) as one swiglu(z, normed o) (silu(gate) * up: the same products)
+    o = g.swiglu(g.reshape(z, [T, Hv, S]), norm(b, o, f"{p}.ssm_norm.weight", args.eps))
     return b.linear(g.reshape(o, [T, vd]), f"{p}.ssm_out.weight")
 
 

@@ -47,6 +47,22 @@ __attribute__((target("avx2,fma"))) int64_t silu_mul_avx2(const float* x, const 
   }
   return i;
 }
+
+// o[i] = 1 / (1 + exp(-x[i])), per element exactly the scalar form in cpu_sigmoid.
+__attribute__((target("avx512f"))) int64_t sigmoid_avx512(const float* x, float* o, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(o + i, _mm512_div_ps(one, _mm512_add_ps(one, exp_f32x16(_mm512_sub_ps(zero, _mm512_loadu_ps(x + i))))));
+  return i;
+}
+__attribute__((target("avx2,fma"))) int64_t sigmoid_avx2(const float* x, float* o, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(o + i, _mm256_div_ps(one, _mm256_add_ps(one, exp_f32x8(_mm256_sub_ps(zero, _mm256_loadu_ps(x + i))))));
+  return i;
+}
 #endif
 
 // Largest value of x[0..n) (contiguous) and whether a NaN occurs, 16 / 8 lanes at a time; returns
@@ -372,9 +388,26 @@ void cpu_argmax(const ComputeParams& p, Node& dst, const Node* const* src) {
   }
 }
 
-// sigmoid with the kernels' exp; softplus with libm (these run on small gate tensors).
+// sigmoid with the kernels' exp (vectorized over contiguous rows: the attention output gates of
+// the Qwen3.5 family are [T, n_head * head_dim]); softplus with libm (it runs on small gates).
+inline float sigmoid_f(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
+
 void cpu_sigmoid(const ComputeParams& p, Node& dst, const Node* const* src) {
-  unary_rows(p, dst, src[0], [](float x) { return 1.0f / (1.0f + exp_f32(-x)); });
+  const Shape& sa = src[0]->shape;
+  if (inner_stride(sa) != 4) return unary_rows(p, dst, src[0], sigmoid_f);
+  const int64_t nr = n_rows(sa), n = sa.dims[sa.ndim - 1];
+  int64_t r0, r1;
+  split_range(nr, p.ith, p.nth, r0, r1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = reinterpret_cast<const float*>(src[0]->data + row_offset(sa, r));
+    float* o = reinterpret_cast<float*>(dst.data) + r * n;
+    int64_t i = 0;
+#if defined(__x86_64__)
+    if (p.isa == CpuIsa::avx512) i = sigmoid_avx512(x, o, n);
+    else if (p.isa == CpuIsa::avx2) i = sigmoid_avx2(x, o, n);
+#endif
+    for (; i < n; ++i) o[i] = sigmoid_f(x[i]);
+  }
 }
 
 // log(1 + exp(x)), and x itself above torch's default threshold of 20.

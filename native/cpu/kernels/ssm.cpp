@@ -550,12 +550,12 @@ inline float gdn_prep(const GdnCtx& c, int64_t t, int64_t h, int64_t hk, float* 
     const float d = std::exp(ggate(c, t, h, 0));
     for (int64_t i = 0; i < S; ++i) dv[i] = d;
   }
-  float kq = 0.0f;
-  for (int64_t i = 0; i < S; ++i) {
+  for (int64_t i = 0; i < S; ++i) {  // (apart from the sum below, so that this loop vectorizes)
     kt[i] = dv[i] * k[i];
     qt[i] = dv[i] * q[i];
-    kq += k[i] * q[i];
   }
+  float kq = 0.0f;
+  for (int64_t i = 0; i < S; ++i) kq += k[i] * q[i];
   return kq;
 }
 
@@ -596,14 +596,17 @@ void read_pass(const float* M, int64_t S, const float* kt, const float* qt, floa
 template <class P, int NB, bool NX>
 inline void update_cols(const float* Min, float* Out, int64_t S, int64_t j, const float* dv, const float* k,
                         const float* delta, const float* nkt, const float* nqt, float* a, float* b) {
-  typename P::T aa[NB], bb[NB];
-  for (int u = 0; u < NB; ++u) aa[u] = bb[u] = P::zero();
+  typename P::T aa[NB], bb[NB], dl[NB];  // delta in registers (the stores to Out could alias it for the compiler)
+  for (int u = 0; u < NB; ++u) {
+    aa[u] = bb[u] = P::zero();
+    dl[u] = P::load(delta + j + u * P::W);
+  }
   for (int64_t i = 0; i < S; ++i) {
     const typename P::T di = P::set1(dv[i]), ki = P::set1(k[i]);
     const float* m = Min + i * S + j;
     float* o = Out + i * S + j;
     for (int u = 0; u < NB; ++u) {
-      const typename P::T mv = P::fma(ki, P::load(delta + j + u * P::W), P::mul(di, P::load(m + u * P::W)));
+      const typename P::T mv = P::fma(ki, dl[u], P::mul(di, P::load(m + u * P::W)));
       P::store(o + u * P::W, mv);
       if (NX) {
         aa[u] = P::fma(P::set1(nkt[i]), mv, aa[u]);
