@@ -6,6 +6,7 @@ outermost-first: ``[n_tokens, n_embd]``.
 """
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import threading
@@ -36,6 +37,19 @@ def _file_key(path: str) -> tuple | None:
 
 
 _IN_MEMORY: dict[tuple, list] = {}  # file key -> weak references to the Weights holding it in memory
+
+# Loader threads still running at interpreter exit are told to stop after their current slab and
+# joined: a daemon thread that comes back from a native call (pack_x16) while the interpreter
+# finalizes is ended inside C++ and aborts the process.
+_STOP_LOADERS = threading.Event()
+_LOADERS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_loaders() -> None:
+    _STOP_LOADERS.set()
+    for t in list(_LOADERS):
+        t.join()
 
 
 # weights that graphs read only through matmul / get_rows (GraphBuilder.mat_weight), by the name
@@ -94,6 +108,7 @@ class Weights:
                 # read on a background thread (file reads release the GIL) while the caller
                 # builds the tokenizer; data() waits for it
                 self._loader = threading.Thread(target=self._read_all, name="pyfast-weights", daemon=True)
+                _LOADERS.add(self._loader)
                 self._loader.start()
             refs.append(weakref.ref(self))
 
@@ -132,7 +147,9 @@ class Weights:
             try:
                 def read(a: int, b: int) -> None:
                     while a < b:
-                        got = os.preadv(fd, [view[a:b]], lo + a)
+                        if _STOP_LOADERS.is_set():
+                            raise RuntimeError("pyfast is exiting: the weights were not read")
+                        got = os.preadv(fd, [view[a:min(b, a + (64 << 20))]], lo + a)
                         if not got:
                             raise ValueError(f"{self.reader.path}: file ended at byte {lo + a} while "
                                              f"reading tensor data up to byte {hi}")
@@ -149,7 +166,7 @@ class Weights:
                             a = max(a, s)
                             while a < min(e, b):
                                 z = min(a + slab, e, b)
-                                read(a, z)
+                                read(a, z)  # (raises when the interpreter exits)
                                 native.pack_x16(dt, host[a:z], (z - a) // cb * 16, n_cols)
                                 a = z
                         read(a, b)
