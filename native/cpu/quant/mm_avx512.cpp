@@ -706,6 +706,17 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
   for (int i = 0; i < RM; ++i) _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m + i)) + n0, mk, acc[i]);
 }
 
+// The 1-row K-quant kernels: prefetch what c.pf points at for NB blocks from b0 of the chunk
+// (a fixed count, no loop); nothing when c.pf_step is 0.
+template <DType WT, int NB>
+PF_AVX512 PF_INLINE void prefetch_blocks(const QCtx& c, int64_t b0) {
+  if (!c.pf_step) return;
+  constexpr int kBlock = 16 * kSuperBytes<WT> / 8;  // a 32-block's bytes of a packed chunk
+  const char* pf = (const char*)c.pf + b0 * kBlock;
+#pragma GCC unroll 32
+  for (int o = 0; o < NB * kBlock; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+}
+
 // Q6_K, one activation row: a half super-block (four blocks) at a time. Its ql bytes hold two
 // blocks each (low / high nibbles) and its qh bytes all four (two bits each), so every code byte
 // is loaded once and the shifts are constants; the four blocks' dot chains run side by side.
@@ -717,20 +728,14 @@ PF_AVX512 void xt_q6k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
   const size_t mo = a.meta(m, 0);
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   __m512 acc = _mm512_setzero_ps();
-  alignas(64) float sbt[4 * 128];
-  const int32_t* slb = reinterpret_cast<const int32_t*>(sbt + 256);
-  const int32_t* shb = reinterpret_cast<const int32_t*>(sbt + 384);
+  alignas(64) float sbt[4 * 128];  // dw, (unused), slo, shi of the super-block
+  int32_t* slb = reinterpret_cast<int32_t*>(sbt + 256);
+  int32_t* shb = reinterpret_cast<int32_t*>(sbt + 384);
   for (int64_t B = 0; B < nb / 8; ++B) {
-    fill_ktables_sb<DType::Q6_K, PK>(c, B, sbt, sbt + 128, reinterpret_cast<int32_t*>(sbt + 256),
-                                     reinterpret_cast<int32_t*>(sbt + 384));
+    fill_ktables_sb<DType::Q6_K, PK>(c, B, sbt, sbt + 128, slb, shb);
     for (int h = 0; h < 2; ++h) {
       const int64_t b0 = B * 8 + 4 * h;
-      if (c.pf_step) {  // the half's bytes of the chunk after next (a fixed count: no loop)
-        constexpr int kPf = 4 * 16 * kSuperBytes<DType::Q6_K> / 8;
-        const char* pf = (const char*)c.pf + b0 * (kPf / 4);
-#pragma GCC unroll 32
-        for (int o = 0; o < kPf; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
-      }
+      prefetch_blocks<DType::Q6_K, 4>(c, b0);
       __m512i z[4][2];
       for (int jj = 0; jj < 4; ++jj) {
         const size_t mi = mo + (size_t)(b0 + jj) * 4 - xb.obase;
@@ -814,12 +819,7 @@ PF_AVX512 void xt_q4k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
     q4k_row_tables<PK>(c, B, sbt, sbt + 128);
     for (int p = 0; p < 4; ++p) {
       const int64_t b0 = B * 8 + 2 * p;
-      if (c.pf_step) {  // the pair's bytes of the chunk after next (a fixed count: no loop)
-        constexpr int kPf = 2 * 16 * kSuperBytes<DType::Q4_K> / 8;
-        const char* pf = (const char*)c.pf + b0 * (kPf / 2);
-#pragma GCC unroll 16
-        for (int o = 0; o < kPf; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
-      }
+      prefetch_blocks<DType::Q4_K, 2>(c, b0);
       const int8_t* x = xq + b0 * QK;
       __m512i z0 = _mm512_setzero_si512(), z1 = z0, z2 = z0, z3 = z0;
 #pragma GCC unroll 8
