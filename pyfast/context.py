@@ -37,7 +37,6 @@ def default_threads() -> int:
     return max(1, n)
 
 
-
 def cached_plan(owner, key, build):
     """The compiled plan for `key` from owner._plans, an OrderedDict kept as an LRU of at most
     owner.max_plans plans; a missing one is made by build() and counted in owner.n_plan_builds.

@@ -189,12 +189,6 @@ def _as_list(md: Mapping, key: str, required: bool = True) -> list | None:
     return list(v)
 
 
-def _all_of(items: list, *kinds: type) -> bool:
-    """Whether every item's exact type is one of ``kinds`` (one pass in C, no Python call per item;
-    a bool is not an int here)."""
-    return set(map(type, items)) <= set(kinds)
-
-
 def _check_utf8(tokens: list) -> None:
     """Token texts must be valid UTF-8 (the reader keeps invalid bytes as lone surrogates)."""
     try:
@@ -273,19 +267,14 @@ class Tokenizer:
                 "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece, 'gemma4' SentencePiece-style BPE)")
         self.model = model
 
-        # start-up builds this for every model load: whole-list operations in C where a loop per
-        # token would cost tens of milliseconds for a 100k-token vocabulary
-        tokens = _as_list(md, "tokenizer.ggml.tokens")
-        if not _all_of(tokens, str):
-            tokens = [_as_str(t) for t in tokens]
+        tokens = [_as_str(t) for t in _as_list(md, "tokenizer.ggml.tokens")]
         n = len(tokens)
         if n == 0:
             raise ValueError("GGUF metadata 'tokenizer.ggml.tokens' is empty")
         _check_utf8(tokens)
-        if "" in tokens:
-            for i, t in enumerate(tokens):
-                if not t:  # as llama.cpp: an empty token can never match; give it a unique name
-                    tokens[i] = f"[EMPTY_{i}]"
+        for i, t in enumerate(tokens):
+            if not t:  # as llama.cpp: an empty token can never match; give it a unique name
+                tokens[i] = f"[EMPTY_{i}]"
         vocab = dict(zip(tokens, range(n)))
         if len(vocab) != n:
             seen: dict[str, int] = {}
@@ -304,7 +293,7 @@ class Tokenizer:
                 raise ValueError(
                     f"'tokenizer.ggml.token_type' has {len(types)} entries for {n} tokens")
             types = types[:n]
-            if not _all_of(types, int):
+            if not all(type(t) is int for t in types):
                 bad = next(i for i, t in enumerate(types) if type(t) is not int)
                 raise ValueError(f"GGUF metadata 'tokenizer.ggml.token_type'[{bad}] = {types[bad]!r}: expected an "
                                  "integer token type")
@@ -315,7 +304,7 @@ class Tokenizer:
                 raise ValueError(
                     f"'tokenizer.ggml.scores' has {len(scores)} entries for {n} tokens")
             scores = scores[:n]
-            if not _all_of(scores, float, int):
+            if not all(type(x) is float or type(x) is int for x in scores):
                 bad = next(i for i, x in enumerate(scores) if not (type(x) is float or type(x) is int))
                 raise ValueError(f"GGUF metadata 'tokenizer.ggml.scores'[{bad}] = {scores[bad]!r}: expected a number")
             scores = list(map(float, scores))
@@ -525,11 +514,10 @@ class Tokenizer:
 
     def _merge_pairs(self, merges: list) -> list[tuple[str, str]]:
         vocab = self._vocab
-        if not _all_of(merges, str):
-            merges = [_as_str(m) for m in merges]
         pairs = []
         bad = 0
         for m in merges:
+            m = _as_str(m)
             # as llama.cpp: the separator is the first space after the first character
             pos = m.find(" ", 1)
             if pos < 0:

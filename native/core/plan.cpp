@@ -43,7 +43,7 @@ struct OpProfile {
   bool on = false, detail = false;
   std::atomic<uint64_t> ns[(int)Op::count + 1] = {}, calls[(int)Op::count + 1] = {};
   struct MatmulStat {
-    uint64_t ns = 0, shares = 0, runs = 0, bytes = 0;
+    uint64_t ns = 0, runs = 0, bytes = 0;
   };
   std::mutex mu;
   std::map<std::string, MatmulStat> matmuls;
@@ -100,7 +100,6 @@ struct OpProfile {
     std::lock_guard<std::mutex> lk(mu);
     MatmulStat& m = matmuls[key];
     m.ns += t;
-    m.shares += 1;
     if (first) {
       m.runs += 1;
       m.bytes += bytes;

@@ -127,7 +127,7 @@ class Weights:
             buf = native.Buffer(total, huge_pages=True)
             view = memoryview(buf)
             host = np.frombuffer(buf, dtype=np.uint8)
-            packs = self._eager_pack()  # [(start, end, chunk bytes, dtype, n_cols)] by start
+            packs, eager = self._eager_pack()  # [(start, end, chunk bytes, dtype, n_cols)] by start, names
             parts = max(1, min(4, os.cpu_count() or 1, total >> 26))
             step = -(-total // parts)
             step = -(-step // (2 << 20)) * (2 << 20)  # whole huge pages per part
@@ -186,7 +186,7 @@ class Weights:
                 raise errors[0]
             if self._pack is not None:
                 with self._pack.lock:
-                    self._pack.packed.update(self._eager_names)
+                    self._pack.packed.update(eager)
             self._host = host  # keeps buf alive
         except BaseException as e:  # re-raised by the first data() call
             self._load_error = e
@@ -197,15 +197,14 @@ class Weights:
         return len(shape) in (2, 3) and shape[-2] % 16 == 0 and native.packable(self.dtype(name)) \
             and packing_enabled()
 
-    def _eager_pack(self) -> list[tuple]:
+    def _eager_pack(self) -> tuple[list[tuple], list[str]]:
         """The tensors packed while they are read: the usual matmul weights (by name; any other
         is packed the first time a graph reads it as one, as before), as (start, end, chunk bytes,
-        dtype, n_cols) in file order. Correctness never depends on this list: a packed tensor read
-        row-major gets an unpacked copy."""
+        dtype, n_cols) in file order, and their names. Correctness never depends on this list: a
+        packed tensor read row-major gets an unpacked copy."""
         out, names = [], []
-        self._eager_names = names
         if self._pack is None:  # mapped: nothing is packed
-            return out
+            return out, names
         base = int(self.reader.data_offset)
         for name, info in self.info.items():
             stem = name.rsplit(".", 1)[0] if name.endswith(".weight") else ""
@@ -217,7 +216,7 @@ class Weights:
             e = s + int(info.nbytes)
             out.append((s, e, (e - s) // (rows // 16), self.dtype(name), int(shape[-1])))
             names.append(name)
-        return sorted(out, key=lambda x: x[0])
+        return sorted(out, key=lambda x: x[0]), names
 
     def _wait_loaded(self) -> None:
         if self._share is not None:
@@ -370,7 +369,6 @@ class MemorySpec:
 def _elem_stride(dt) -> int:
     """The innermost stride of a view in bytes (0 for block-quantized types)."""
     return 0 if native.dtype_block_size(dt) > 1 else native.dtype_type_size(dt)
-
 
 
 class JointWeights:
