@@ -195,7 +195,7 @@ class Context:
         Returns float32 [n_selected, n_vocab], rows in the order requested. copy=False may return
         a view into the plan's output instead (valid until the next decode).
         """
-        if (self.rec is None and not self._rows_out and positions is not None and isinstance(logits, str)
+        if (not self._rows_out and positions is not None and isinstance(logits, str)
                 and logits == "last"
                 and isinstance(seq_ids, (int, np.integer)) and len(tokens) == 1 and len(positions) == 1):
             return self._decode_one(int(tokens[0]), int(positions[0]), int(seq_ids))
@@ -317,7 +317,7 @@ class Context:
         """One generation step: decode `token` at `position` of `seq` and return its logits row
         (float32 [n_vocab]). The row is a view into the plan's output, valid until the next
         decode; copy it to keep it."""
-        if self.rec is None and not self._rows_out:
+        if not self._rows_out:
             return self._decode_one(int(token), int(position), int(seq), copy=False)[0]
         return self.decode([token], positions=[position], seq_ids=seq)[0]
 
@@ -327,7 +327,7 @@ class Context:
         plan's output (float32 [n, n_vocab]), valid until the next decode. Same plans and
         arithmetic as decode()."""
         n = len(tokens)
-        if (self.rec is not None or self._rows_out or n == 0 or n > min(64, self.n_ubatch)
+        if (self._rows_out or n == 0 or n > min(64, self.n_ubatch) or (self.rec is not None and n > 1)
                 or type(tokens) is not np.ndarray or tokens.dtype != np.int32):
             return self.decode(tokens, positions=np.arange(pos0, pos0 + n, dtype=np.int32), seq_ids=seq,
                                logits="all", copy=False)
@@ -350,13 +350,28 @@ class Context:
         return plan.output("logits", copy=False)
 
     def _decode_one(self, tok: int, pos: int, seq: int, copy: bool = True) -> np.ndarray:
-        """decode() for the generation step (one token, its position given, last-row logits) on a
-        KV-only model, with the least Python per token; same plan and arithmetic as the general path."""
+        """decode() for the generation step (one token, its position given, last-row logits), with
+        the least Python per token; same plan, arithmetic and memory bookkeeping as the general
+        path. Recurrent models: a token that continues a sequence holding a recurrent slot, with a
+        free cache cell (anything else, and its errors, goes through the general path)."""
         n_vocab = self.model.n_vocab
         if not 0 <= tok < n_vocab:
             raise ValueError(f"decode: token id {tok} is outside the vocabulary [0, {n_vocab})")
         if pos < 0:
             raise ValueError("decode: positions must be >= 0")
+        rec = self.rec
+        if rec is not None:
+            s = rec._slot_of.get(seq)
+            if s is None or rec.tail[s] != pos - 1 or self.kv.free_cells(1) < 1:
+                out = np.empty((1, n_vocab), dtype=np.float32)
+                return self._decode_grouped(np.array([tok], dtype=np.int32), np.array([seq], dtype=np.int32),
+                                            np.array([pos], dtype=np.int32), np.zeros(1, dtype=np.int64), out)
+            seg_rows = rec.prepare_one(s)
+            slots = self.kv.prepare_one(seq, pos)
+            plan = self._plan(BatchShape(1, slots.n_kv, 1, 1))
+            self._run(plan, np.array([tok], dtype=np.int32), np.array([pos], dtype=np.int32),
+                      np.zeros(1, dtype=np.int32), slots, seg_rows)
+            return plan.output("logits", copy=copy)
         slots = self.kv.prepare_one(seq, pos)
         swa = self._swa_prepare(seq, [pos])
         plan = self._plan(BatchShape(1, slots.n_kv, 1, n_kv_swa=swa.n_kv if swa else 0))

@@ -99,6 +99,7 @@ class RecurrentMemory:
         self.rs_idx = np.zeros(n_slot, dtype=np.int32)
         self.tail = np.full(n_slot, -1, dtype=np.int64)
         self.n_last = np.zeros(n_slot, dtype=np.int64)
+        self._one_row = np.array([[0, 1, 0, 0]], dtype=np.int32)  # prepare_one's row (t0, n) = (0, 1), reused
 
     # --- slots -----------------------------------------------------------------------------
     @property
@@ -208,6 +209,18 @@ class RecurrentMemory:
             self.tail[s] = tail + n
             self.n_last[s] = n
         return out
+
+    def prepare_one(self, slot: int) -> np.ndarray:
+        """prepare() of one token continuing the sequence that holds `slot` (the caller checked that
+        its position is the slot's tail + 1): the row ``(0, 1, slot, src_plane)`` in a buffer reused
+        by the next call, and the same bookkeeping."""
+        row = self._one_row
+        row[0, 2] = slot
+        row[0, 3] = self.rs_idx[slot]
+        self.rs_idx[slot] = 0
+        self.tail[slot] += 1
+        self.n_last[slot] = 1
+        return row
 
     # --- rollback --------------------------------------------------------------------------
     def can_rollback(self, seq: int) -> int:
