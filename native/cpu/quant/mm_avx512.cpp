@@ -777,18 +777,20 @@ PF_AVX512 void xt_q6k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
 // high nibbles go into vpdpbusd in place (16 x the code), and the odd block's scale is taken / 16
 // to match: exact (|16 z| < 2^24, and the scaling by 16 changes no rounding), so the sums and the
 // float stage give xt_pass's results bit for bit with one shift less per code vector.
-// xt_q4k_row's scale tables for super-block B: dw[t] = d * sc_t (odd t: / 16, see there) and
+// The one-row Q4_K / Q5_K kernels' scale tables for super-block B (both types keep d, dmin and
+// the 12 scale bytes at the same offsets): dw[t] = d * sc_t (odd t: / 16, see xt_q4k_row) and
 // mw[t] = -(dmin * m_t), [8][16]. Values as fill_ktables_sb gives them, with fewer vector ops:
 // each scale byte is moved to the bottom of its dword by one vpshufb, and -dmin is formed once
 // (-(dmin * m) == (-dmin) * m exactly).
-template <bool PK>
-PF_AVX512 PF_INLINE void q4k_row_tables(const QCtx& c, int64_t B, float* dw, float* mw) {
-  const __m512 d = ldh<DType::Q4_K, PK>(c, B, 0);
+template <DType WT, bool PK>
+PF_AVX512 PF_INLINE void k45_row_tables(const QCtx& c, int64_t B, float* dw, float* mw) {
+  static_assert(WT == DType::Q4_K || WT == DType::Q5_K, "Q4_K / Q5_K scales");
+  const __m512 d = ldh<WT, PK>(c, B, 0);
   const __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / 16.0f));
-  const __m512 nd = neg_ps(ldh<DType::Q4_K, PK>(c, B, 2));
-  const __m512i a = ldf<DType::Q4_K, PK, 4>(c, B, 0);  // scales[0..3]
-  const __m512i b = ldf<DType::Q4_K, PK, 4>(c, B, 4);  // scales[4..7]
-  const __m512i e = ldf<DType::Q4_K, PK, 4>(c, B, 8);  // scales[8..11]
+  const __m512 nd = neg_ps(ldh<WT, PK>(c, B, 2));
+  const __m512i a = ldf<WT, PK, 4>(c, B, 0);  // scales[0..3]
+  const __m512i b = ldf<WT, PK, 4>(c, B, 4);  // scales[4..7]
+  const __m512i e = ldf<WT, PK, 4>(c, B, 8);  // scales[8..11]
   const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(0x30);
   for (int j = 0; j < 4; ++j) {
     // byte j of each dword to its bottom byte, the other bytes zero (vpshufb indexes its 128-bit lane)
@@ -816,7 +818,7 @@ PF_AVX512 void xt_q4k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
   __m512 acc = _mm512_setzero_ps();
   alignas(64) float sbt[2 * 128];
   for (int64_t B = 0; B < nb / 8; ++B) {
-    q4k_row_tables<PK>(c, B, sbt, sbt + 128);
+    k45_row_tables<DType::Q4_K, PK>(c, B, sbt, sbt + 128);
     for (int p = 0; p < 4; ++p) {
       const int64_t b0 = B * 8 + 2 * p;
       prefetch_blocks<DType::Q4_K, 2>(c, b0);
@@ -845,6 +847,68 @@ PF_AVX512 void xt_q4k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
   _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
 }
 
+// Q5_K, one activation row: as xt_q4k_row for the four bits of a block pair (high nibbles in
+// place, the odd block's scale / 16), and the fifth bits as their own vpdpbusd chains: the qh
+// byte of an element holds bit j for block j, so (qh & 2^j) against the block's activations sums
+// 2^j * (the activations whose bit is set), which a shift brings to 16 x (odd block: 256 x). The
+// integer sums equal xt_pass's (odd block: 16 x them, exact as in xt_q4k_row), so the results are
+// bit-identical, with no per-block bit extraction.
+template <bool PK>
+PF_AVX512 void xt_q5k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
+  (void)xb;
+  const int64_t nb = c.nb;
+  const int8_t* xq = a.q + m * a.K;
+  const size_t mo = a.meta(m, 0);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), mf0 = _mm512_set1_epi8((char)0xF0);
+  __m512 acc = _mm512_setzero_ps();
+  alignas(64) float sbt[2 * 128];
+  for (int64_t B = 0; B < nb / 8; ++B) {
+    k45_row_tables<DType::Q5_K, PK>(c, B, sbt, sbt + 128);
+    // the super-block's fifth bits, read once in memory order (reading them again before each
+    // pair's codes sends the hardware prefetchers astray: 7 against 20 GB/s from DRAM, 1 thread)
+    __m512i qh[8];
+    for (int g = 0; g < 8; g += 2) ldf2<DType::Q5_K, PK, 16>(c, B, 4 * g, qh[g], qh[g + 1]);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const int64_t b0 = B * 8 + 2 * p;
+      prefetch_blocks<DType::Q5_K, 2>(c, b0);
+      const int8_t* x = xq + b0 * QK;
+      const __m512i be = _mm512_set1_epi8((char)(1 << (2 * p))), bo = _mm512_set1_epi8((char)(2 << (2 * p)));
+      __m512i z0 = _mm512_setzero_si512(), z1 = z0, z2 = z0, z3 = z0, h0 = z0, h1 = z0, h2 = z0, h3 = z0;
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g += 2) {
+        __m512i q[2];
+        ldf2<DType::Q5_K, PK, 48>(c, B, 32 * p + 4 * g, q[0], q[1]);
+        const __m512i xe0 = bcast4(x + 4 * g), xo0 = bcast4(x + QK + 4 * g);
+        const __m512i xe1 = bcast4(x + 4 * g + 4), xo1 = bcast4(x + QK + 4 * g + 4);
+        z0 = _mm512_dpbusd_epi32(z0, _mm512_and_si512(q[0], m4), xe0);
+        z1 = _mm512_dpbusd_epi32(z1, _mm512_and_si512(q[0], mf0), xo0);
+        z2 = _mm512_dpbusd_epi32(z2, _mm512_and_si512(q[1], m4), xe1);
+        z3 = _mm512_dpbusd_epi32(z3, _mm512_and_si512(q[1], mf0), xo1);
+        h0 = _mm512_dpbusd_epi32(h0, _mm512_and_si512(qh[g], be), xe0);
+        h1 = _mm512_dpbusd_epi32(h1, _mm512_and_si512(qh[g], bo), xo0);
+        h2 = _mm512_dpbusd_epi32(h2, _mm512_and_si512(qh[g + 1], be), xe1);
+        h3 = _mm512_dpbusd_epi32(h3, _mm512_and_si512(qh[g + 1], bo), xo1);
+      }
+      // even block 2p: + 16 / 2^(2p) x its bit sums; odd block: + 256 / 2^(2p+1) x (exact: the
+      // sums are multiples of 2^j, and the right shift of p = 3 drops only zero bits)
+      const __m512i he = _mm512_add_epi32(h0, h2), ho = _mm512_add_epi32(h1, h3);
+      const __m512i hes = p < 2 ? _mm512_slli_epi32(he, 4 - 2 * p) : p == 2 ? he : _mm512_srai_epi32(he, 2);
+      const __m512i ze = _mm512_add_epi32(_mm512_add_epi32(z0, z2), hes);
+      const __m512i zo = _mm512_add_epi32(_mm512_add_epi32(z1, z3), _mm512_slli_epi32(ho, 7 - 2 * p));
+      for (int st = 0; st < 2; ++st) {
+        const int t = 2 * p + st;
+        const size_t mi = mo + (size_t)(b0 + st) * 4;
+        const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), _mm512_load_ps(sbt + t * 16));
+        acc = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(st ? zo : ze), acc);
+        acc = _mm512_fmadd_ps(_mm512_load_ps(sbt + 128 + t * 16), _mm512_set1_ps(a.f[mi]), acc);
+      }
+    }
+  }
+  const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
+  _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
+}
+
 template <DType WT, int MODE, bool PK = false>
 PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, int rm, const RowView& yv, int64_t n0,
                        int nv) {
@@ -853,6 +917,7 @@ PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
   case R: \
     if constexpr (WT == DType::Q6_K && MODE == kDecode && R == 1) xt_q6k_row<PK>(c, xb, a, m, yv, n0, nv); \
     else if constexpr (WT == DType::Q4_K && MODE == kDecode && R == 1) xt_q4k_row<PK>(c, xb, a, m, yv, n0, nv); \
+    else if constexpr (WT == DType::Q5_K && MODE == kDecode && R == 1) xt_q5k_row<PK>(c, xb, a, m, yv, n0, nv); \
     else if constexpr (R <= (MODE == kLoad && kIsK<WT> ? kXtLoadRows<WT> : kXtJoin<WT>)) xt_pass<WT, R, MODE, PK>(c, xb, a, m, yv, n0, nv); \
     break;
     PF_XT_CASE(1) PF_XT_CASE(2) PF_XT_CASE(3) PF_XT_CASE(4) PF_XT_CASE(5) PF_XT_CASE(6) PF_XT_CASE(7) PF_XT_CASE(8)
