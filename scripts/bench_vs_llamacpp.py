@@ -10,8 +10,8 @@ so both see the same machine load; the table reports medians and the pyfast / ll
 Measured per file: pp512 and tg128 (llama-bench vs `pyfast bench`'s functions), generation with
 1 thread against the measured read bandwidth, peak RSS while generating 64 tokens and the time
 from loading the model to the first generated token (llama-simple vs pyfast.LLM; medians of
---startup-runs alternating starts with the file in the page cache, pyfast's bytecode compiled
-once as pip installs it; --startup-only measures just that).
+--startup-runs alternating starts, the file read into the page cache before each, pyfast's
+bytecode compiled once as pip installs it; --startup-only measures just that).
 By default the files are the default model (SmolLM2-135M-Instruct Q4_1) and the same model
 requantized with `pyfast quantize` to Q4_K_M and Q8_0 (made on first use next to the default
 model).
@@ -92,16 +92,25 @@ def pyfast_startup(model: str, threads: int) -> tuple[float, float]:
     return float(out[0]), float(out[1])
 
 
-def startup_pair(bin_dir: str, model: str, threads: int, runs: int) -> tuple[float, float, float, float]:
-    """Medians of `runs` alternating starts (after one pyfast start that compiles its bytecode and a
-    read of the file into the page cache): llama.cpp seconds, pyfast seconds, llama.cpp MiB, pyfast MiB."""
+def cache_file(model: str) -> None:
+    """Read the file through the page cache, so that a start does not wait on the disk (on the
+    2-core VM the cache lost parts of the files between runs, `fincore`, and the disk read 40 MB/s)."""
     with open(model, "rb") as f:
         while f.read(64 << 20):
             pass
+
+
+def startup_pair(bin_dir: str, model: str, threads: int, runs: int) -> tuple[float, float, float, float]:
+    """Medians of `runs` alternating starts (after one pyfast start that compiles its bytecode; the
+    file read into the page cache before every start): llama.cpp seconds, pyfast seconds, llama.cpp
+    MiB, pyfast MiB."""
+    cache_file(model)
     pyfast_startup(model, threads)
     ll, pf = [], []
     for _ in range(runs):
+        cache_file(model)
         ll.append(llama_startup(bin_dir, model, threads))
+        cache_file(model)
         pf.append(pyfast_startup(model, threads))
     med = statistics.median
     return med(x[0] for x in ll), med(x[0] for x in pf), med(x[1] for x in ll), med(x[1] for x in pf)

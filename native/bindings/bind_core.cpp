@@ -64,16 +64,22 @@ static int64_t kv_prepare(int32_t* cp, int32_t* cs, int64_t n_ctx, int64_t used_
 // the file).
 struct HostBuffer {
   static constexpr size_t kMapThreshold = size_t(1) << 20;
-  explicit HostBuffer(size_t n, bool huge_pages = false) : nbytes(n) {
+  explicit HostBuffer(size_t n, bool huge_pages = false, bool advise = true) : nbytes(n) {
     const size_t alloc = n ? n : 64;
 #if defined(__unix__) || defined(__APPLE__)
     if (alloc >= kMapThreshold) {
-      void* p = mmap(nullptr, alloc, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      // huge_pages: the start on a 2 MiB boundary, so that every whole 2 MiB of the buffer can be
+      // one huge page (the kernel aligns only some anonymous mappings)
+      const size_t H = huge_pages ? size_t(2) << 20 : 0;
+      map_len = alloc + H;
+      void* p = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) throw std::bad_alloc();
+      map_base = p;
       data = static_cast<uint8_t*>(p);
+      if (H) data += (H - reinterpret_cast<uintptr_t>(p) % H) % H;
       mapped = true;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-      if (huge_pages) madvise(p, alloc, MADV_HUGEPAGE);  // advice only: without THP, 4 KiB pages
+      if (huge_pages && advise) madvise(data, alloc, MADV_HUGEPAGE);  // advice only: without THP, 4 KiB pages
 #else
       (void)huge_pages;
 #endif
@@ -81,6 +87,7 @@ struct HostBuffer {
     }
 #endif
     (void)huge_pages;
+    (void)advise;
     void* p = nullptr;
     if (posix_memalign(&p, 64, alloc) != 0) throw std::bad_alloc();
     std::memset(p, 0, alloc);
@@ -90,7 +97,7 @@ struct HostBuffer {
     if (device) device->unbind_host(data);
 #if defined(__unix__) || defined(__APPLE__)
     if (mapped) {
-      munmap(data, nbytes ? nbytes : 64);
+      munmap(map_base, map_len);
       return;
     }
 #endif
@@ -116,6 +123,8 @@ struct HostBuffer {
   uint8_t* data = nullptr;
   size_t nbytes = 0;
   bool mapped = false;
+  void* map_base = nullptr;  // the mapping (data may start up to 2 MiB into it)
+  size_t map_len = 0;
   std::shared_ptr<Backend> device;
   std::shared_ptr<DeviceBuffer> dbuf;
 };
@@ -340,13 +349,15 @@ void bind_core(py::module_& m) {
 
   py::class_<HostBuffer, std::shared_ptr<HostBuffer>>(m, "Buffer", py::buffer_protocol(),
                                                      "Zeroed, 64-byte aligned host memory (KV caches, states, weights read into memory).")
-      .def(py::init([](size_t n, bool huge, std::shared_ptr<Backend> dev) {
-        auto b = std::make_shared<HostBuffer>(n, huge);
+      .def(py::init([](size_t n, bool huge, std::shared_ptr<Backend> dev, bool advise) {
+        auto b = std::make_shared<HostBuffer>(n, huge, advise);
         if (dev) b->attach(std::move(dev));
         return b;
-      }), py::arg("nbytes"), py::arg("huge_pages") = false, py::arg("device") = nullptr,
+      }), py::arg("nbytes"), py::arg("huge_pages") = false, py::arg("device") = nullptr, py::arg("advise") = true,
          "device: also keep a copy in that device's memory, which graphs on the device read and write "
-         "(the host bytes are then a mirror: to_host / to_device copy explicitly).")
+         "(the host bytes are then a mirror: to_host / to_device copy explicitly). huge_pages: start on a "
+         "2 MiB boundary and (advise) ask for transparent huge pages at the first touch; advise=False "
+         "leaves the pages 4 KiB until collapse().")
       .def_readonly("nbytes", &HostBuffer::nbytes)
       .def_property_readonly("device", [](const HostBuffer& b) -> py::object {
         return b.device ? py::str(b.device->info().name) : py::object(py::none());
@@ -355,6 +366,23 @@ void bind_core(py::module_& m) {
         b.zero();
         if (b.dbuf) b.dbuf->zero(0, b.nbytes);
       }, "Zero the bytes (and the device copy).")
+      .def("collapse", [](HostBuffer& b, size_t off, size_t n) {
+        b.check_range(off, n, "collapse");
+        bool ok = false;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+        // the whole 2 MiB pages inside [off, off + n): advised huge, then collapsed now
+        const uintptr_t H = uintptr_t(2) << 20, lo = (reinterpret_cast<uintptr_t>(b.data) + off + H - 1) & ~(H - 1);
+        const uintptr_t hi = (reinterpret_cast<uintptr_t>(b.data) + off + n) & ~(H - 1);
+        if (b.mapped && hi > lo) {
+          py::gil_scoped_release rel;
+          void* p = reinterpret_cast<void*>(lo);
+          ok = madvise(p, hi - lo, MADV_HUGEPAGE) == 0 && madvise(p, hi - lo, 25 /* MADV_COLLAPSE */) == 0;
+        }
+#endif
+        return ok;
+      }, py::arg("offset") = 0, py::arg("nbytes") = (size_t)-1,
+         "Advise the 2 MiB pages inside the range huge and collapse them into transparent huge pages now "
+         "(same bytes; Linux 6.1+); False where the kernel declined or cannot.")
       .def("to_host", [](HostBuffer& b, size_t off, size_t n) {
         b.check_range(off, n, "to_host");
         if (b.dbuf) {

@@ -69,6 +69,7 @@ class _Packing:
         self.packed: set[str] = set()
         self.row_major: set[str] = set()
         self.lock = threading.Lock()
+        self.collapser: threading.Thread | None = None  # collapsing the copy into huge pages
 
 
 def packing_enabled() -> bool:
@@ -78,6 +79,39 @@ def packing_enabled() -> bool:
     if env is not None and env != "":
         return env != "0"
     return native.cpu_isa() == "avx512"
+
+
+def _weight_pages() -> str:
+    """How weights read into memory get their pages (PYFAST_WEIGHT_PAGES): "collapse" (default):
+    read into 4 KiB pages, then collapsed into transparent huge pages (MADV_COLLAPSE) by a
+    background thread at the lowest priority; "fault": advised huge before the read, so that the
+    read faults in huge pages; "small": 4 KiB pages only. On a VM whose host takes back free guest
+    memory, a fresh huge page can stall its first touch for a long time (0.64 GB: 0.17-11 s in
+    huge pages against a steady 0.4-0.7 s in 4 KiB pages): "collapse" keeps that off the way to
+    the first token."""
+    v = os.environ.get("PYFAST_WEIGHT_PAGES", "") or "collapse"
+    if v not in ("collapse", "fault", "small"):
+        raise ValueError(f"PYFAST_WEIGHT_PAGES={v!r}: expected collapse, fault or small")
+    return v
+
+
+def _collapse(ref) -> None:
+    """Collapse a weights buffer (a weak reference: dropping the weights ends this) into huge
+    pages, 4 MiB at a time (a prompt stop at exit), at the lowest priority: decode threads take
+    the cores first, the collapse gets the idle time."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+    except (OSError, AttributeError):
+        pass
+    off = 0
+    while not _STOP_LOADERS.is_set():
+        buf = ref()
+        if buf is None or off >= buf.nbytes:
+            return
+        n = min(4 << 20, buf.nbytes - off)
+        buf.collapse(off, n)  # False (declined, or no THP): the pages stay 4 KiB, bytes unchanged
+        off += n
+        del buf
 
 
 class Weights:
@@ -105,16 +139,19 @@ class Weights:
                 self._pack = self._share._pack
             else:
                 self._pack = _Packing()
+                pages = _weight_pages()  # a bad PYFAST_WEIGHT_PAGES fails here, not at first use
                 # read on a background thread (file reads release the GIL) while the caller
                 # builds the tokenizer; data() waits for it
-                self._loader = threading.Thread(target=self._read_all, name="pyfast-weights", daemon=True)
+                self._loader = threading.Thread(target=self._read_all, args=(pages,), name="pyfast-weights",
+                                                daemon=True)
                 _LOADERS.add(self._loader)
                 self._loader.start()
             refs.append(weakref.ref(self))
 
-    def _read_all(self) -> None:
-        """Read the tensor-data section into a native buffer that asks for transparent huge
-        pages: every decode streams all the weights, and mapped file pages are 4 KiB. Files over
+    def _read_all(self, pages: str) -> None:
+        """Read the tensor-data section into a native buffer that ends up in transparent huge
+        pages (``_weight_pages``): every decode streams all the weights, and mapped file pages are
+        4 KiB. Files over
         64 MiB are read in up to four parts by as many threads (reads release the GIL, and the
         kernel's page copies and huge-page faults then run in parallel: a cached 1.1 GB file
         took 0.15 s with two threads against 0.27 s with one). The matmul weights (``_eager_pack``)
@@ -124,7 +161,11 @@ class Weights:
         try:
             lo, hi = int(self.reader.data_offset), int(self.reader.file_size)
             total = max(hi - lo, 1)
-            buf = native.Buffer(total, huge_pages=True)
+            if not hasattr(native.Buffer, "collapse"):  # an extension older than collapse()
+                pages = "fault" if pages == "collapse" else pages
+                buf = native.Buffer(total, huge_pages=pages == "fault")
+            else:
+                buf = native.Buffer(total, huge_pages=pages != "small", advise=pages == "fault")
             view = memoryview(buf)
             host = np.frombuffer(buf, dtype=np.uint8)
             packs, eager = self._eager_pack()  # [(start, end, chunk bytes, dtype, n_cols)] by start, names
@@ -188,6 +229,12 @@ class Weights:
                 with self._pack.lock:
                     self._pack.packed.update(eager)
             self._host = host  # keeps buf alive
+            if pages == "collapse":
+                t = threading.Thread(target=_collapse, args=(weakref.ref(buf),), name="pyfast-thp", daemon=True)
+                _LOADERS.add(t)
+                if self._pack is not None:
+                    self._pack.collapser = t
+                t.start()
         except BaseException as e:  # re-raised by the first data() call
             self._load_error = e
 
@@ -227,6 +274,16 @@ class Weights:
             self._loader = None
         if self._load_error is not None:
             raise self._load_error
+
+    def settle(self) -> None:
+        """Wait for the in-memory copy to be read and in huge pages (the background collapse of
+        ``_weight_pages``): a benchmark measures decode on the pages it will keep."""
+        if self._pack is None:
+            return
+        self._wait_loaded()
+        t = self._pack.collapser
+        if t is not None:
+            t.join()
 
     def __contains__(self, name: str) -> bool:
         return name in self.info
