@@ -140,6 +140,7 @@ Liveness liveness(const Graph& g) {
 
 bool cpu_matmul_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/matmul.cpp
 bool cpu_argmax_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/elementwise.cpp
+bool cpu_matmul_id_syncs(const Node& dst, const Node* const* src, int nth);  // kernels/moe.cpp
 bool cpu_matmul_fusable(const Node& a, const Node* const* asrc, const Node& b, const Node* const* bsrc);
 void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* const* ws, int nw, const Node& x);
 
@@ -153,13 +154,27 @@ bool op_shareable(const Node& nd, const Node* const* srcs, int nth) {
     case Op::get_rows: case Op::add: case Op::mul: case Op::scale: case Op::rms_norm: case Op::rope:
     case Op::softmax: case Op::attention: case Op::silu: case Op::swiglu: case Op::set_rows: case Op::cpy:
     case Op::sigmoid: case Op::softplus: case Op::relu: case Op::l2_norm: case Op::concat: case Op::sum:
+    case Op::topk: case Op::gather:
+    case Op::ssm_conv: case Op::gated_delta_net:  // they also write their state source (inplace_src)
       return true;
     case Op::matmul:
       return !cpu_matmul_syncs(nd, srcs, nth);
+    case Op::matmul_id:
+      return !cpu_matmul_id_syncs(nd, srcs, nth);
     case Op::argmax:
       return !cpu_argmax_syncs(nd, srcs, nth);
     default:
       return false;
+  }
+}
+
+// The source an op updates in place besides writing its output (-1: none): the recurrent state
+// planes of ssm_conv and gated_delta_net. Grouping counts it as written.
+int inplace_src(const Node& nd) {
+  switch (nd.op) {
+    case Op::ssm_conv: return 2;
+    case Op::gated_delta_net: return 5;
+    default: return -1;
   }
 }
 
@@ -346,23 +361,92 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::
     return Range{lo, lo + std::max<size_t>(span_bytes(r.dtype, r.shape), 1)};
   };
   auto overlap = [](const Range& a, const Range& b) { return a.lo < b.hi && b.lo < a.hi; };
-  std::vector<Range> rd, wr;  // reads / writes of the current group
-  size_t g0 = 0, work = 0, gwork = 0;
+  // Whether exec entry k may run alongside (or before) nodes that read rd and write wr: it writes
+  // nothing they read or write and reads nothing they write.
+  auto independent = [&](size_t k, const std::vector<Range>& rd, const std::vector<Range>& wr) {
+    bool ok = true;
+    for (int id : multi_[k].empty() ? std::vector<int>{exec_[k]} : multi_[k]) {
+      const Node& mn = nodes[id];
+      const int ip = inplace_src(mn);
+      for (const Range w : {range(id), ip >= 0 ? range(mn.src[ip]) : range(id)}) {
+        for (size_t g = 0; ok && g < wr.size(); ++g) ok = !overlap(wr[g], w);
+        for (size_t g = 0; ok && g < rd.size(); ++g) ok = !overlap(rd[g], w);
+      }
+      for (int s = 0; ok && s < mn.n_src; ++s)
+        for (size_t g = 0; ok && g < wr.size(); ++g) ok = !overlap(wr[g], range(mn.src[s]));
+    }
+    return ok;
+  };
+  auto add_ranges = [&](size_t k, std::vector<Range>& rd, std::vector<Range>& wr) {
+    for (int id : multi_[k].empty() ? std::vector<int>{exec_[k]} : multi_[k]) {
+      wr.push_back(range(id));
+      const Node& mn = nodes[id];
+      if (inplace_src(mn) >= 0) wr.push_back(range(mn.src[inplace_src(mn)]));
+      for (int s = 0; s < mn.n_src; ++s) rd.push_back(range(mn.src[s]));
+    }
+  };
   for (size_t k = 0; k < n_exec; ++k) {
     const Node& nd = nodes[exec_[k]];
     const Node* srcs[kMaxSrc];
     for (int s = 0; s < nd.n_src; ++s) srcs[s] = &nodes[nd.src[s]];
     shareable[k] = nth > 1 && op_shareable(nd, srcs, nth);
-    std::vector<int> members = multi_[k].empty() ? std::vector<int>{exec_[k]} : multi_[k];
-    bool join = k > g0 && shareable[k] && shareable[g0];
-    for (int id : members) {
-      const Range w = range(id);
-      for (size_t g = 0; join && g < wr.size(); ++g) join = !overlap(wr[g], w);
-      for (size_t g = 0; join && g < rd.size(); ++g) join = !overlap(rd[g], w);
-      const Node& mn = nodes[id];
-      for (int s = 0; join && s < mn.n_src; ++s)
-        for (size_t g = 0; join && g < wr.size(); ++g) join = !overlap(wr[g], range(mn.src[s]));
+  }
+  // Hoisting: a decode graph is mostly a chain, but beside it run short independent branches
+  // (a layer's gate / decay terms beside its conv, a shared expert beside the routed ones). A
+  // group takes, besides the nodes that follow it, shareable nodes up to kLookahead entries
+  // further on that depend on none of the nodes they move ahead of (no memory written by one is
+  // read or written by the other: whole allocations, the arena blocks included, so reusing a
+  // block is a dependency too). Each such node runs earlier; the order of dependent nodes, and
+  // so every result, stays as it was.
+  if (nth > 1 && n_exec > 1) {
+    constexpr size_t kLookahead = 12;
+    std::vector<size_t> order;
+    order.reserve(n_exec);
+    std::vector<uint8_t> placed(n_exec, 0);
+    std::vector<Range> rd, wr, srd, swr;  // the group's reads / writes, the skipped nodes' ones
+    size_t first = 0;                     // the first entry not placed yet
+    while (first < n_exec) {
+      const size_t g = first;
+      placed[g] = 1;
+      order.push_back(g);
+      rd.clear();
+      wr.clear();
+      srd.clear();
+      swr.clear();
+      add_ranges(g, rd, wr);
+      size_t seen = 0;
+      for (size_t j = g + 1; j < n_exec && seen < kLookahead; ++j) {
+        if (placed[j]) continue;
+        ++seen;
+        if (shareable[g] && shareable[j] && independent(j, rd, wr) && independent(j, srd, swr)) {
+          placed[j] = 1;
+          order.push_back(j);
+          add_ranges(j, rd, wr);
+        } else {
+          add_ranges(j, srd, swr);
+        }
+      }
+      while (first < n_exec && placed[first]) ++first;
     }
+    std::vector<int> ex(n_exec);
+    std::vector<size_t> nw(n_exec);
+    std::vector<std::vector<int>> mu(n_exec);
+    std::vector<uint8_t> sh(n_exec);
+    for (size_t i = 0; i < n_exec; ++i) {
+      ex[i] = exec_[order[i]];
+      nw[i] = node_work[order[i]];
+      mu[i] = std::move(multi_[order[i]]);
+      sh[i] = shareable[order[i]];
+    }
+    exec_.swap(ex);
+    node_work.swap(nw);
+    multi_.swap(mu);
+    shareable.swap(sh);
+  }
+  std::vector<Range> rd, wr;  // reads / writes of the current group
+  size_t g0 = 0, work = 0, gwork = 0;
+  for (size_t k = 0; k < n_exec; ++k) {
+    bool join = k > g0 && shareable[k] && shareable[g0] && independent(k, rd, wr);
     if (!join && k > 0) {
       group_end[g0] = (uint32_t)k;
       g0 = k;
@@ -373,11 +457,7 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::
     wofs[k] = gwork;
     gwork += node_work[k];
     work = std::max(work, gwork);
-    for (int id : members) {
-      wr.push_back(range(id));
-      const Node& mn = nodes[id];
-      for (int s = 0; s < mn.n_src; ++s) rd.push_back(range(mn.src[s]));
-    }
+    add_ranges(k, rd, wr);
   }
   if (n_exec) group_end[g0] = (uint32_t)n_exec;
 

@@ -103,3 +103,26 @@ def test_one_token_path_equals_grouped_path(name):
         b.decode_step(V, n + 3, 0)
     _same_mem(a, b)
     assert fast_steps >= 25
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
+def test_thread_count_does_not_change_logits(name):
+    """The decode plans' groups (ssm_conv, gated_delta_net, small matmul_id, topk and gather run
+    alongside independent nodes, their shares on any thread) give the same logits bit for bit on
+    1, 2 and 3 threads, for a prompt and for single-token steps."""
+    from pyfast.models import Model
+
+    path, _ = fixture(name)
+    model = Model(str(path))
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, model.n_vocab, 7).tolist()
+    steps = rng.integers(0, model.n_vocab, 6).tolist()
+    outs = []
+    for nt in (1, 2, 3):
+        c = make_ctx(model, n_threads=nt, n_rollback=2)
+        rows = [c.decode(prompt, seq_ids=0, logits="all")]
+        for i, t in enumerate(steps):
+            rows.append(c.decode_step(t, len(prompt) + i, 0)[None].copy())
+        outs.append(np.concatenate(rows))
+    for nt, o in zip((2, 3), outs[1:]):
+        np.testing.assert_array_equal(o, outs[0], err_msg=f"{name}: {nt} threads vs 1")

@@ -77,11 +77,18 @@ struct MoeLayout {
   size_t aq = 0, ad = 0, as = 0, af = 0, ah = 0;  // activations in x order (quantized weights)
   size_t sq = 0, sd = 0, ss = 0, sf = 0, sh = 0;  // ... in expert order (sx: f32 rows for float weights)
   size_t thr = 0, thr_size = 0, tile_off = 0;     // per-thread areas: kernel scratch, then a 64 x 16 output tile
+  // small batches (decode): every thread builds the routing tables and quantizes / orders all
+  // activation rows itself, in its own copy of the areas above (priv_stride bytes apart), so the
+  // op needs no barrier
+  bool priv = false;
+  size_t priv_stride = 0;
   size_t total = 0;
 };
 
 constexpr int64_t kTileM = mm::kChunkM;  // activation rows per work item
 constexpr int64_t kTileN = mm::kChunkN;  // weight rows per work item
+constexpr int64_t kPrivElems = 32768;    // MoeLayout::priv: at most this many activation elements
+constexpr int64_t kPrivPairs = 64;       // ... and (t, j) pairs
 
 MoeLayout moe_layout(const Node& x, const Node& w, const Node& ids, int nth) {
   MoeLayout L;
@@ -120,6 +127,13 @@ MoeLayout moe_layout(const Node& x, const Node& w, const Node& ids, int nth) {
     L.tile_off = 0;
   }
   L.thr_size = L.tile_off + align_up((size_t)(kTileM * kTileN) * 4);
+  // The redundant work of the private mode (quantizing R x K activations, copying P rows) costs
+  // a few microseconds at most, less than the two barriers it saves.
+  L.priv = nth > 1 && L.R * L.K <= kPrivElems && L.P <= kPrivPairs;
+  if (L.priv) {
+    L.priv_stride = o;
+    o *= (size_t)nth;
+  }
   L.thr = o;
   o += L.thr_size * (size_t)(nth > 0 ? nth : 1);
   L.total = o + kAlign;
@@ -161,6 +175,13 @@ size_t cpu_moe_work_size(const Node& dst, const Node* const* src, int nth) {
     case Op::matmul_id: return moe_layout(*src[0], *src[1], *src[2], nth).total;
     default: return 0;
   }
+}
+
+// Whether matmul_id waits for the other threads inside (then its shares cannot move between
+// threads, see op_shareable in core/plan.cpp): all but small batches.
+bool cpu_matmul_id_syncs(const Node& dst, const Node* const* src, int nth) {
+  (void)dst;
+  return !moe_layout(*src[0], *src[1], *src[2], nth).priv;
 }
 
 // ---- topk ---------------------------------------------------------------------------------------
@@ -269,12 +290,13 @@ void cpu_matmul_id(const ComputeParams& p, Node& dst, const Node* const* src) {
       if (e < 0 || e >= E) bad_id("matmul_id", "ids[" + std::to_string(t) + ", " + std::to_string(j) + "]", e, E);
     }
 
-  uint8_t* base = align_ptr(p.wdata);
+  uint8_t* const shared = align_ptr(p.wdata);  // per-thread tiles; the routing / activation areas (shared or own)
+  uint8_t* base = L.priv ? shared + (size_t)p.ith * L.priv_stride : shared;
   int64_t* cnt = reinterpret_cast<int64_t*>(base + L.cnt);
   int64_t* off = reinterpret_cast<int64_t*>(base + L.off);
   int64_t* slot = reinterpret_cast<int64_t*>(base + L.slot);
   int64_t* pair = reinterpret_cast<int64_t*>(base + L.pair);
-  if (p.ith == 0) {
+  if (p.ith == 0 || L.priv) {
     std::fill(cnt, cnt + E, 0);
     for (int64_t q = 0; q < P; ++q) ++cnt[id_at(ids, q / k, q % k)];
     off[0] = 0;
@@ -311,20 +333,20 @@ void cpu_matmul_id(const ComputeParams& p, Node& dst, const Node* const* src) {
                : isa == CpuIsa::avx2   ? mm::quant_act_avx2
                : isa == CpuIsa::neon   ? mm::quant_act_neon
                                        : mm::quant_act_scalar;
-    int64_t r0, r1;
-    split_range(L.R, p.ith, p.nth, r0, r1);
+    int64_t r0 = 0, r1 = L.R;
+    if (!L.priv) split_range(L.R, p.ith, p.nth, r0, r1);
     for (int64_t r = r0; r < r1; ++r) {
       const size_t mi = aq.meta(r, 0);
       quant(xrow(r), const_cast<int8_t*>(aq.q) + r * K, const_cast<float*>(aq.d) + mi,
             const_cast<int32_t*>(aq.s) + mi, const_cast<float*>(aq.f) + mi, const_cast<int32_t*>(aq.h) + mi, L.nb);
     }
   }
-  p.barrier();
+  if (!L.priv) p.barrier();
 
   // Phase 2: pair q's activation row into its expert-ordered row slot[q].
   {
-    int64_t q0, q1;
-    split_range(P, p.ith, p.nth, q0, q1);
+    int64_t q0 = 0, q1 = P;
+    if (!L.priv) split_range(P, p.ith, p.nth, q0, q1);
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t r = x2 ? q / k : q, s = slot[q];
       if (L.quant) {
@@ -343,7 +365,7 @@ void cpu_matmul_id(const ComputeParams& p, Node& dst, const Node* const* src) {
       }
     }
   }
-  p.barrier();
+  if (!L.priv) p.barrier();
 
   // Phase 3: work items (expert, 16 weight rows, <= 64 of the expert's rows), expert-major; each
   // thread takes the items whose cost midpoint falls in its share (the same split on every thread).
@@ -354,7 +376,7 @@ void cpu_matmul_id(const ComputeParams& p, Node& dst, const Node* const* src) {
     if (cnt[e]) total += n_nc * (((cnt[e] + kTileM - 1) / kTileM) * kItemCost + cnt[e]);
   if (total == 0) return;
 
-  uint8_t* thr = base + L.thr + L.thr_size * (size_t)p.ith;
+  uint8_t* thr = shared + L.thr + L.thr_size * (size_t)p.ith;
   uint8_t* tile = thr + L.tile_off;
   const mm::RowView yv = tile_view(tile);
   mm::QJob qj;
