@@ -155,7 +155,7 @@ bool op_shareable(const Node& nd, const Node* const* srcs, int nth) {
     case Op::softmax: case Op::attention: case Op::silu: case Op::swiglu: case Op::set_rows: case Op::cpy:
     case Op::sigmoid: case Op::softplus: case Op::relu: case Op::l2_norm: case Op::concat: case Op::sum:
     case Op::topk: case Op::gather:
-    case Op::ssm_conv: case Op::gated_delta_net:  // they also write their state source (inplace_src)
+    case Op::ssm_conv: case Op::gated_delta_net:  // they also write their state source (op_writes_src)
       return true;
     case Op::matmul:
       return !cpu_matmul_syncs(nd, srcs, nth);
@@ -165,16 +165,6 @@ bool op_shareable(const Node& nd, const Node* const* srcs, int nth) {
       return !cpu_argmax_syncs(nd, srcs, nth);
     default:
       return false;
-  }
-}
-
-// The source an op updates in place besides writing its output (-1: none): the recurrent state
-// planes of ssm_conv and gated_delta_net. Grouping counts it as written.
-int inplace_src(const Node& nd) {
-  switch (nd.op) {
-    case Op::ssm_conv: return 2;
-    case Op::gated_delta_net: return 5;
-    default: return -1;
   }
 }
 
@@ -361,29 +351,29 @@ Plan::Plan(std::shared_ptr<Graph> graph, std::shared_ptr<ThreadPool> pool, std::
     return Range{lo, lo + std::max<size_t>(span_bytes(r.dtype, r.shape), 1)};
   };
   auto overlap = [](const Range& a, const Range& b) { return a.lo < b.hi && b.lo < a.hi; };
-  // Whether exec entry k may run alongside (or before) nodes that read rd and write wr: it writes
-  // nothing they read or write and reads nothing they write.
-  auto independent = [&](size_t k, const std::vector<Range>& rd, const std::vector<Range>& wr) {
-    bool ok = true;
-    for (int id : multi_[k].empty() ? std::vector<int>{exec_[k]} : multi_[k]) {
-      const Node& mn = nodes[id];
-      const int ip = inplace_src(mn);
-      for (const Range w : {range(id), ip >= 0 ? range(mn.src[ip]) : range(id)}) {
-        for (size_t g = 0; ok && g < wr.size(); ++g) ok = !overlap(wr[g], w);
-        for (size_t g = 0; ok && g < rd.size(); ++g) ok = !overlap(rd[g], w);
-      }
-      for (int s = 0; ok && s < mn.n_src; ++s)
-        for (size_t g = 0; ok && g < wr.size(); ++g) ok = !overlap(wr[g], range(mn.src[s]));
-    }
-    return ok;
-  };
+  // The memory exec entry k reads and writes (its output, and sources it updates in place: the
+  // recurrent state planes of ssm_conv and gated_delta_net).
   auto add_ranges = [&](size_t k, std::vector<Range>& rd, std::vector<Range>& wr) {
     for (int id : multi_[k].empty() ? std::vector<int>{exec_[k]} : multi_[k]) {
       wr.push_back(range(id));
       const Node& mn = nodes[id];
-      if (inplace_src(mn) >= 0) wr.push_back(range(mn.src[inplace_src(mn)]));
-      for (int s = 0; s < mn.n_src; ++s) rd.push_back(range(mn.src[s]));
+      for (int s = 0; s < mn.n_src; ++s) (op_writes_src(mn.op, s) ? wr : rd).push_back(range(mn.src[s]));
     }
+  };
+  // Whether exec entry k may run alongside (or before) nodes that read rd and write wr: it writes
+  // nothing they read or write and reads nothing they write.
+  std::vector<Range> krd, kwr;
+  auto independent = [&](size_t k, const std::vector<Range>& rd, const std::vector<Range>& wr) {
+    krd.clear();
+    kwr.clear();
+    add_ranges(k, krd, kwr);
+    for (const Range& w : kwr) {
+      for (const Range& g : wr) if (overlap(g, w)) return false;
+      for (const Range& g : rd) if (overlap(g, w)) return false;
+    }
+    for (const Range& r : krd)
+      for (const Range& g : wr) if (overlap(g, r)) return false;
+    return true;
   };
   for (size_t k = 0; k < n_exec; ++k) {
     const Node& nd = nodes[exec_[k]];
