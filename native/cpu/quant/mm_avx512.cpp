@@ -808,6 +808,20 @@ PF_AVX512 PF_INLINE void k45_row_tables(const QCtx& c, int64_t B, float* dw, flo
   }
 }
 
+// The float stage of a block pair (blocks b0, b0 + 1 = super-block blocks t0, t0 + 1) of the
+// one-row Q4_K / Q5_K kernels: integer sums ze / zo (the odd one 16 x, see xt_q4k_row) against
+// the tables of k45_row_tables, in xt_pass's order.
+PF_AVX512 PF_INLINE void k45_pair_out(__m512& acc, const ActQ& a, size_t mo, int64_t b0, int t0, const float* sbt,
+                                      __m512i ze, __m512i zo) {
+  for (int st = 0; st < 2; ++st) {
+    const int t = t0 + st;
+    const size_t mi = mo + (size_t)(b0 + st) * 4;
+    const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), _mm512_load_ps(sbt + t * 16));
+    acc = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(st ? zo : ze), acc);
+    acc = _mm512_fmadd_ps(_mm512_load_ps(sbt + 128 + t * 16), _mm512_set1_ps(a.f[mi]), acc);
+  }
+}
+
 template <bool PK>
 PF_AVX512 void xt_q4k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   (void)xb;
@@ -834,13 +848,7 @@ PF_AVX512 void xt_q4k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
         z3 = _mm512_dpbusd_epi32(z3, _mm512_and_si512(q[1], mf0), bcast4(x + QK + 4 * g + 4));
       }
       const __m512i ze = _mm512_add_epi32(z0, z2), zo = _mm512_add_epi32(z1, z3);
-      for (int st = 0; st < 2; ++st) {
-        const int t = 2 * p + st;
-        const size_t mi = mo + (size_t)(b0 + st) * 4;
-        const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), _mm512_load_ps(sbt + t * 16));
-        acc = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(st ? zo : ze), acc);
-        acc = _mm512_fmadd_ps(_mm512_load_ps(sbt + 128 + t * 16), _mm512_set1_ps(a.f[mi]), acc);
-      }
+      k45_pair_out(acc, a, mo, b0, 2 * p, sbt, ze, zo);
     }
   }
   const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
@@ -896,13 +904,7 @@ PF_AVX512 void xt_q5k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
       const __m512i hes = p < 2 ? _mm512_slli_epi32(he, 4 - 2 * p) : p == 2 ? he : _mm512_srai_epi32(he, 2);
       const __m512i ze = _mm512_add_epi32(_mm512_add_epi32(z0, z2), hes);
       const __m512i zo = _mm512_add_epi32(_mm512_add_epi32(z1, z3), _mm512_slli_epi32(ho, 7 - 2 * p));
-      for (int st = 0; st < 2; ++st) {
-        const int t = 2 * p + st;
-        const size_t mi = mo + (size_t)(b0 + st) * 4;
-        const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), _mm512_load_ps(sbt + t * 16));
-        acc = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(st ? zo : ze), acc);
-        acc = _mm512_fmadd_ps(_mm512_load_ps(sbt + 128 + t * 16), _mm512_set1_ps(a.f[mi]), acc);
-      }
+      k45_pair_out(acc, a, mo, b0, 2 * p, sbt, ze, zo);
     }
   }
   const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
