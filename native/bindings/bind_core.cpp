@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -115,6 +116,69 @@ struct HostBuffer {
     dbuf = dev->alloc(nbytes);
     dev->bind_host(data, nbytes, dbuf);
     device = std::move(dev);
+  }
+  // Buffer.collapse (see its docstring): the 4 KiB pages of [off, off + n)'s whole 2 MiB pages
+  // replaced by huge pages holding the same bytes. Collapsing the pages in place (MADV_COLLAPSE)
+  // copies into each new huge page with the range unmapped, and on a VM whose host has to back
+  // that page first, a decoding thread that reaches the range waits for it (decode 2-5x slower
+  // for seconds); here the new pages are faulted in before anything is unmapped.
+  bool collapse(size_t off, size_t n, const py::object& lock) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE) && defined(MREMAP_FIXED)
+    const uintptr_t H = uintptr_t(2) << 20, lo = (reinterpret_cast<uintptr_t>(data) + off + H - 1) & ~(H - 1);
+    const uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + off + n) & ~(H - 1);
+    if (!mapped || hi <= lo || !thp_available()) return false;
+    const size_t len = hi - lo;
+    uint8_t* m = nullptr;
+    uint8_t* q = nullptr;
+    {
+      py::gil_scoped_release rel;
+      void* v = mmap(nullptr, len + H, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (v == MAP_FAILED) return false;
+      m = static_cast<uint8_t*>(v);
+      q = reinterpret_cast<uint8_t*>(((uintptr_t)m + H - 1) & ~(H - 1));
+      if (q > m) munmap(m, q - m);  // keep [q, q + len): whole huge pages
+      if (m + len + H > q + len) munmap(q + len, m + len + H - (q + len));
+      madvise(q, len, MADV_HUGEPAGE);
+      if (madvise(q, len, 23 /* MADV_POPULATE_WRITE, Linux 5.14 */) != 0)
+        for (size_t i = 0; i < len; i += 4096) q[i] = 0;
+    }
+    const bool locked = !lock.is_none();
+    if (locked) {
+      try {
+        lock.attr("acquire")();
+      } catch (...) {
+        munmap(q, len);
+        throw;
+      }
+    }
+    bool ok;
+    {
+      py::gil_scoped_release rel;
+      std::memcpy(q, reinterpret_cast<void*>(lo), len);
+      ok = mremap(q, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(lo)) != MAP_FAILED;
+      if (!ok) munmap(q, len);
+    }
+    if (locked) lock.attr("release")();
+    return ok;
+#else
+    (void)off;
+    (void)n;
+    (void)lock;
+    return false;
+#endif
+  }
+  // Whether the kernel can give transparent huge pages to a region advised for them.
+  static bool thp_available() {
+    static const bool yes = [] {
+      FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+      if (!f) return false;
+      char buf[128] = {0};
+      const size_t got = std::fread(buf, 1, sizeof(buf) - 1, f);
+      std::fclose(f);
+      buf[got] = 0;
+      return std::strstr(buf, "[never]") == nullptr;
+    }();
+    return yes;
   }
   void check_range(size_t off, size_t& n, const char* what) const {
     if (n == (size_t)-1) n = off <= nbytes ? nbytes - off : 0;
@@ -366,23 +430,15 @@ void bind_core(py::module_& m) {
         b.zero();
         if (b.dbuf) b.dbuf->zero(0, b.nbytes);
       }, "Zero the bytes (and the device copy).")
-      .def("collapse", [](HostBuffer& b, size_t off, size_t n) {
+      .def("collapse", [](HostBuffer& b, size_t off, size_t n, py::object lock) {
         b.check_range(off, n, "collapse");
-        bool ok = false;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-        // the whole 2 MiB pages inside [off, off + n): advised huge, then collapsed now
-        const uintptr_t H = uintptr_t(2) << 20, lo = (reinterpret_cast<uintptr_t>(b.data) + off + H - 1) & ~(H - 1);
-        const uintptr_t hi = (reinterpret_cast<uintptr_t>(b.data) + off + n) & ~(H - 1);
-        if (b.mapped && hi > lo) {
-          py::gil_scoped_release rel;
-          void* p = reinterpret_cast<void*>(lo);
-          ok = madvise(p, hi - lo, MADV_HUGEPAGE) == 0 && madvise(p, hi - lo, 25 /* MADV_COLLAPSE */) == 0;
-        }
-#endif
-        return ok;
-      }, py::arg("offset") = 0, py::arg("nbytes") = (size_t)-1,
-         "Advise the 2 MiB pages inside the range huge and collapse them into transparent huge pages now "
-         "(same bytes; Linux 6.1+); False where the kernel declined or cannot.")
+        return b.collapse(off, n, lock);
+      }, py::arg("offset") = 0, py::arg("nbytes") = (size_t)-1, py::arg("lock") = py::none(),
+         "Move the whole 2 MiB pages inside the range into transparent huge pages, same bytes at the "
+         "same addresses: fresh huge pages are faulted in first (the slow part, nothing held), then, "
+         "holding `lock` (a threading.Lock, or None), the bytes are copied and the pages moved over the "
+         "old ones (mremap). Readers may read the range meanwhile; writers must hold `lock`. False where "
+         "the kernel has no transparent huge pages or declined (the bytes are then unchanged).")
       .def("to_host", [](HostBuffer& b, size_t off, size_t n) {
         b.check_range(off, n, "to_host");
         if (b.dbuf) {

@@ -83,22 +83,23 @@ def packing_enabled() -> bool:
 
 def _weight_pages() -> str:
     """How weights read into memory get their pages (PYFAST_WEIGHT_PAGES): "collapse" (default):
-    read into 4 KiB pages, then collapsed into transparent huge pages (MADV_COLLAPSE) by a
-    background thread at the lowest priority; "fault": advised huge before the read, so that the
-    read faults in huge pages; "small": 4 KiB pages only. On a VM whose host takes back free guest
+    read into 4 KiB pages, then moved into transparent huge pages by a background thread at the
+    lowest priority (``Buffer.collapse``); "fault": advised huge before the read, so that the read
+    faults in huge pages; "small": 4 KiB pages only. On a VM whose host takes back free guest
     memory, a fresh huge page can stall its first touch for a long time (0.64 GB: 0.17-11 s in
     huge pages against a steady 0.4-0.7 s in 4 KiB pages): "collapse" keeps that off the way to
-    the first token."""
+    the first token, and decode runs on the 4 KiB pages until the huge ones are ready."""
     v = os.environ.get("PYFAST_WEIGHT_PAGES", "") or "collapse"
     if v not in ("collapse", "fault", "small"):
         raise ValueError(f"PYFAST_WEIGHT_PAGES={v!r}: expected collapse, fault or small")
     return v
 
 
-def _collapse(ref) -> None:
-    """Collapse a weights buffer (a weak reference: dropping the weights ends this) into huge
-    pages, 4 MiB at a time (a prompt stop at exit), at the lowest priority: decode threads take
-    the cores first, the collapse gets the idle time."""
+def _collapse(ref, lock: threading.Lock) -> None:
+    """Move a weights buffer (a weak reference: dropping the weights ends this) into huge pages,
+    16 MiB at a time (a prompt stop at exit), at the lowest priority: decode threads take the
+    cores first. ``lock`` is the one lazy packing writes under (``Weights.matmul_data``): a write
+    between the copy and the page move would be lost, so collapse holds it for those two steps."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
     except (OSError, AttributeError):
@@ -108,8 +109,9 @@ def _collapse(ref) -> None:
         buf = ref()
         if buf is None or off >= buf.nbytes:
             return
-        n = min(4 << 20, buf.nbytes - off)
-        buf.collapse(off, n)  # False (declined, or no THP): the pages stay 4 KiB, bytes unchanged
+        n = min(16 << 20, buf.nbytes - off)
+        if not buf.collapse(off, n, lock) and off == 0 and buf.nbytes > n:
+            return  # no transparent huge pages here (or refused): the pages stay 4 KiB
         off += n
         del buf
 
@@ -230,7 +232,8 @@ class Weights:
                     self._pack.packed.update(eager)
             self._host = host  # keeps buf alive
             if pages == "collapse":
-                t = threading.Thread(target=_collapse, args=(weakref.ref(buf),), name="pyfast-thp", daemon=True)
+                lock = self._pack.lock if self._pack is not None else threading.Lock()
+                t = threading.Thread(target=_collapse, args=(weakref.ref(buf), lock), name="pyfast-thp", daemon=True)
                 _LOADERS.add(t)
                 if self._pack is not None:
                     self._pack.collapser = t

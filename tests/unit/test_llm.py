@@ -223,3 +223,58 @@ def test_truncated_tensor_data_is_a_clear_error(smollm2_path):
     w._read_all("collapse")  # the file is 4 KiB shorter than the section it is told to read
     with pytest.raises(ValueError, match="file ended at byte"):
         w._wait_loaded()
+
+
+class _CountingLock:
+    """A threading.Lock that counts how often Buffer.collapse took it."""
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def acquire(self):
+        self.lock.acquire()
+        self.n += 1
+
+    def release(self):
+        self.lock.release()
+
+
+def test_buffer_collapse_keeps_bytes_under_concurrent_reads():
+    """Buffer.collapse moves the weights' pages into huge pages under running readers: every byte
+    stays where it was (a reader summing the buffer meanwhile always gets the same sum), the bytes
+    are copied and moved holding the lock it is given, and a buffer that was not collapsed (no
+    transparent huge pages, or only part of a 2 MiB page in range) is left as it was."""
+    import threading
+    from pyfast._loader import load_native
+    native = load_native()
+    n = (24 << 20) + 12345
+    buf = native.Buffer(n, huge_pages=True, advise=False)
+    a = np.frombuffer(buf, dtype=np.uint8)
+    a[:] = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    ref = a.copy()
+    want = int(a.sum(dtype=np.uint64))
+    sums, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            sums.append(int(a.sum(dtype=np.uint64)))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    lk = _CountingLock()
+    try:
+        assert buf.collapse(0, 1 << 20, lk) is False and lk.n == 0  # no whole 2 MiB page in range
+        moved = [buf.collapse(off, min(8 << 20, n - off), lk) for off in range(0, n, 8 << 20)]
+    finally:
+        stop.set()
+        t.join()
+    assert sums and all(s == want for s in sums)
+    np.testing.assert_array_equal(a, ref)
+    assert lk.n == sum(moved)  # the lock was taken once per collapsed range, and released
+    assert lk.lock.acquire(blocking=False)
+    a[::4096] = 7  # still writable memory at the same addresses
+    assert int(a[4096]) == 7
+    with pytest.raises(IndexError, match="out of bounds"):
+        buf.collapse(n - 10, 20)
