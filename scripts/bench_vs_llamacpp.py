@@ -3,7 +3,8 @@
 
 Needs a llama.cpp build you made yourself (pass its bin/ directory with --llama-bin; pyfast does
 not ship or build llama.cpp). For each model file the two engines alternate, round after round,
-so both see the same machine load; the table reports medians and the pyfast / llama.cpp ratio.
+so both see the same machine load; the table reports medians, and the pyfast / llama.cpp ratio as
+the median of the rounds' ratios (each round's two figures measured back to back).
 
     python scripts/bench_vs_llamacpp.py --llama-bin ~/llama.cpp/build/bin --threads 2 --rounds 3
 
@@ -147,9 +148,10 @@ def main() -> int:
     models = a.model or default_models()
     lines = [f"Machine: {os.cpu_count()} CPUs; {a.rounds} alternating rounds x {a.reps} repetitions; "
              f"{time.strftime('%Y-%m-%d %H:%M')}; load average before: {os.getloadavg()[0]:.2f}", ""]
-    lines += ["| model | test | threads | llama.cpp t/s | pyfast t/s | ratio |", "| --- | --- | ---: | ---: | ---: | ---: |"]
-    extra = ["", "| model | 1-thread tg128 | read bandwidth | bandwidth bound | reached (pyfast) | reached (llama.cpp) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["| model | test | threads | llama.cpp t/s | pyfast t/s | ratio (median of rounds) | each round |",
+              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    extra = ["", "| model | 1-thread tg128 | ratio (each round) | read bandwidth | bandwidth bound | reached (pyfast) "
+             "| reached (llama.cpp) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     start = ["", "| model | load -> first token, llama.cpp | pyfast | ratio | peak RSS llama.cpp | pyfast | difference |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for m in models:
@@ -162,7 +164,7 @@ def main() -> int:
             continue
         # bytes one token reads (used experts only, no embedding table unless it is the output)
         size = decode_read_bytes(Model(m, mmap=True))
-        bws = []
+        bws, bwt = [], []
         ll: dict[str, list[float]] = {}
         pf: dict[str, list[float]] = {}
         ll1, pf1 = [], []
@@ -172,15 +174,28 @@ def main() -> int:
             for k, v in pyfast_bench(m, a.threads, 512, 128, a.reps).items():
                 pf.setdefault(k, []).append(v)
             bws.append(read_bandwidth_gbs(1))  # the host's bandwidth moves: probed every round
+            bwt.append(read_bandwidth_gbs(a.threads))
             ll1.append(llama_bench(a.llama_bin, m, 1, 0, 128, a.reps)["tg128"])
             pf1.append(pyfast_bench(m, 1, 0, 128, a.reps)["tg128"])
         for k in ("pp512", "tg128"):
             l, p = statistics.median(ll[k]), statistics.median(pf[k])
-            lines.append(f"| {name} | {k} | {a.threads} | {l:.1f} | {p:.1f} | {p / l:.2f}x |")
+            # the ratio of each round (the two engines back to back), then their median: the
+            # host's bandwidth moves between rounds, and moves a memory-bound engine more
+            rr = [y / x for x, y in zip(ll[k], pf[k])]
+            lines.append(f"| {name} | {k} | {a.threads} | {l:.1f} | {p:.1f} | {statistics.median(rr):.2f}x "
+                         f"| {', '.join(f'{r:.2f}' for r in rr)} |")
+        # generation against the bound at this thread count: when llama.cpp itself reaches most of
+        # it, no engine can be much faster
+        bt = statistics.median(bwt) * 1e9 / size
+        lines.append(f"| {name} | tg128 bound, {a.threads} threads | | {statistics.median(bwt):.1f} GB/s, "
+                     f"{bt:.0f} t/s | reached: llama.cpp {100 * statistics.median(ll['tg128']) / bt:.0f}%, "
+                     f"pyfast {100 * statistics.median(pf['tg128']) / bt:.0f}% | | |")
         bw1 = statistics.median(bws)
         bound = bw1 * 1e9 / size
         l1, p1 = statistics.median(ll1), statistics.median(pf1)
-        extra.append(f"| {name} | pyfast {p1:.1f} / llama.cpp {l1:.1f} t/s | {bw1:.1f} GB/s | {bound:.0f} t/s "
+        r1 = [y / x for x, y in zip(ll1, pf1)]
+        extra.append(f"| {name} | pyfast {p1:.1f} / llama.cpp {l1:.1f} t/s | {statistics.median(r1):.2f}x "
+                     f"({', '.join(f'{r:.2f}' for r in r1)}) | {bw1:.1f} GB/s | {bound:.0f} t/s "
                      f"| {100 * p1 / bound:.0f}% | {100 * l1 / bound:.0f}% |")
         lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs)
         start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
