@@ -257,9 +257,11 @@ def test_buffer_collapse_keeps_bytes_under_concurrent_reads():
     want = int(a.sum(dtype=np.uint64))
     sums, stop = [], threading.Event()
 
-    def reader():
-        while not stop.is_set():
+    def reader():  # at least one pass, however quick the collapse
+        while True:
             sums.append(int(a.sum(dtype=np.uint64)))
+            if stop.is_set():
+                return
 
     t = threading.Thread(target=reader)
     t.start()
