@@ -8,6 +8,12 @@ the median of the rounds' ratios (each round's two figures measured back to back
 
     python scripts/bench_vs_llamacpp.py --llama-bin ~/llama.cpp/build/bin --threads 2 --rounds 3
 
+A fork with the same llama-bench works too: --engine names it in the tables and --llama-args
+passes its own options, e.g. for ik_llama.cpp's run-time repacking:
+
+    python scripts/bench_vs_llamacpp.py --llama-bin ~/ik_llama.cpp/build/bin --engine ik_llama.cpp \
+        --llama-args="-rtr 1" --startup-runs 0 -m bench-models/llama-1b.Q4_K_M.gguf
+
 Measured per file: pp512 and tg128 (llama-bench vs `pyfast bench`'s functions), generation with
 1 thread against the measured read bandwidth, peak RSS while generating 64 tokens and the time
 from loading the model to the first generated token (llama-simple vs pyfast.LLM; medians of
@@ -23,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -32,9 +39,10 @@ import time
 PROMPT = "Write a haiku about the sea."
 
 
-def llama_bench(bin_dir: str, model: str, threads: int, pp: int, tg: int, reps: int) -> dict[str, float]:
+def llama_bench(bin_dir: str, model: str, threads: int, pp: int, tg: int, reps: int,
+                extra: list[str] | None = None) -> dict[str, float]:
     cmd = [os.path.join(bin_dir, "llama-bench"), "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json"]
-    cmd += ["-p", str(pp), "-n", str(tg)]
+    cmd += ["-p", str(pp), "-n", str(tg)] + (extra or [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     res = {}
     for row in json.loads(out):
@@ -138,21 +146,28 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per file")
     ap.add_argument("-r", "--reps", type=int, default=3, help="repetitions inside each round")
-    ap.add_argument("--startup-runs", type=int, default=3, help="alternating start-up runs per file (median)")
+    ap.add_argument("--startup-runs", type=int, default=3,
+                    help="alternating start-up runs per file (median); 0 leaves the start-up table out")
     ap.add_argument("--startup-only", action="store_true", help="only the start-up table")
     ap.add_argument("-o", "--output", default=None, help="also write the markdown table here")
+    ap.add_argument("--engine", default="llama.cpp", help="the other engine's name in the tables")
+    ap.add_argument("--llama-args", default="", help="extra llama-bench arguments (one string, shell-split)")
     a = ap.parse_args()
+    if a.startup_runs < 0 or (a.startup_only and a.startup_runs == 0):
+        ap.error("--startup-runs must be >= 0 (>= 1 with --startup-only)")
+    extra_args = shlex.split(a.llama_args)
+    eng = a.engine
     from pyfast.bench import decode_read_bytes, read_bandwidth_gbs
     from pyfast.models import Model
 
     models = a.model or default_models()
     lines = [f"Machine: {os.cpu_count()} CPUs; {a.rounds} alternating rounds x {a.reps} repetitions; "
              f"{time.strftime('%Y-%m-%d %H:%M')}; load average before: {os.getloadavg()[0]:.2f}", ""]
-    lines += ["| model | test | threads | llama.cpp t/s | pyfast t/s | ratio (median of rounds) | each round |",
+    lines += [f"| model | test | threads | {eng} t/s | pyfast t/s | ratio (median of rounds) | each round |",
               "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     extra = ["", "| model | 1-thread tg128 | ratio (each round) | read bandwidth | bandwidth bound | reached (pyfast) "
-             "| reached (llama.cpp) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    start = ["", "| model | load -> first token, llama.cpp | pyfast | ratio | peak RSS llama.cpp | pyfast | difference |",
+             f"| reached ({eng}) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    start = ["", f"| model | load -> first token, {eng} | pyfast | ratio | peak RSS {eng} | pyfast | difference |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for m in models:
         name = os.path.basename(m)
@@ -169,13 +184,13 @@ def main() -> int:
         pf: dict[str, list[float]] = {}
         ll1, pf1 = [], []
         for _ in range(a.rounds):
-            for k, v in llama_bench(a.llama_bin, m, a.threads, 512, 128, a.reps).items():
+            for k, v in llama_bench(a.llama_bin, m, a.threads, 512, 128, a.reps, extra_args).items():
                 ll.setdefault(k, []).append(v)
             for k, v in pyfast_bench(m, a.threads, 512, 128, a.reps).items():
                 pf.setdefault(k, []).append(v)
             bws.append(read_bandwidth_gbs(1))  # the host's bandwidth moves: probed every round
             bwt.append(read_bandwidth_gbs(a.threads))
-            ll1.append(llama_bench(a.llama_bin, m, 1, 0, 128, a.reps)["tg128"])
+            ll1.append(llama_bench(a.llama_bin, m, 1, 0, 128, a.reps, extra_args)["tg128"])
             pf1.append(pyfast_bench(m, 1, 0, 128, a.reps)["tg128"])
         for k in ("pp512", "tg128"):
             l, p = statistics.median(ll[k]), statistics.median(pf[k])
@@ -188,19 +203,22 @@ def main() -> int:
         # it, no engine can be much faster
         bt = statistics.median(bwt) * 1e9 / size
         lines.append(f"| {name} | tg128 bound, {a.threads} threads | | {statistics.median(bwt):.1f} GB/s, "
-                     f"{bt:.0f} t/s | reached: llama.cpp {100 * statistics.median(ll['tg128']) / bt:.0f}%, "
+                     f"{bt:.0f} t/s | reached: {eng} {100 * statistics.median(ll['tg128']) / bt:.0f}%, "
                      f"pyfast {100 * statistics.median(pf['tg128']) / bt:.0f}% | | |")
         bw1 = statistics.median(bws)
         bound = bw1 * 1e9 / size
         l1, p1 = statistics.median(ll1), statistics.median(pf1)
         r1 = [y / x for x, y in zip(ll1, pf1)]
-        extra.append(f"| {name} | pyfast {p1:.1f} / llama.cpp {l1:.1f} t/s | {statistics.median(r1):.2f}x "
+        extra.append(f"| {name} | pyfast {p1:.1f} / {eng} {l1:.1f} t/s | {statistics.median(r1):.2f}x "
                      f"({', '.join(f'{r:.2f}' for r in r1)}) | {bw1:.1f} GB/s | {bound:.0f} t/s "
                      f"| {100 * p1 / bound:.0f}% | {100 * l1 / bound:.0f}% |")
-        lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs)
-        start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
-                     f"| {pr - lr:+.0f} MiB |")
+        if a.startup_runs:
+            lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs)
+            start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
+                         f"| {pr - lr:+.0f} MiB |")
         print(f"done {name}", file=sys.stderr)
+    if not a.startup_runs:
+        start = []
     if a.startup_only:
         lines = [f"Machine: {os.cpu_count()} CPUs; {a.startup_runs} alternating starts per file; "
                  f"{time.strftime('%Y-%m-%d %H:%M')}; load average before: {os.getloadavg()[0]:.2f}", ""]

@@ -1,0 +1,99 @@
+"""scripts/bench_vs_llamacpp.py against a stand-in llama-bench: the per-round ratios and their
+median, the other engine's extra arguments and name, and leaving the start-up table out."""
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A llama-bench that logs its arguments and answers from a table: the 2-thread pp512 / tg128 run of
+# round i (counted in a file) reports PP[i] / TG[i]; a 1-thread run reports TG1.
+FAKE = r'''#!{python}
+import json, sys
+from pathlib import Path
+here = Path(sys.argv[0]).resolve().parent
+with open(here / "calls.log", "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\n")
+a = sys.argv[1:]
+p, n, t = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1]), int(a[a.index("-t") + 1])
+rows = []
+if t == 1:
+    rows.append({{"n_prompt": 0, "n_gen": n, "avg_ts": {tg1}}})
+else:
+    c = here / "round"
+    i = int(c.read_text()) if c.exists() else 0
+    c.write_text(str(i + 1))
+    rows.append({{"n_prompt": p, "n_gen": 0, "avg_ts": {pp}[i]}})
+    rows.append({{"n_prompt": 0, "n_gen": n, "avg_ts": {tg}[i]}})
+print(json.dumps(rows))
+'''
+
+
+@pytest.fixture
+def script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_vs_llamacpp as mod
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return mod
+
+
+def run(script, monkeypatch, tmp_path, args):
+    import pyfast.bench
+    import pyfast.models
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    exe = bindir / "llama-bench"
+    exe.write_text(FAKE.format(python=sys.executable, pp=[100.0, 200.0], tg=[20.0, 40.0], tg1=10.0))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    calls = {"pf": 0}
+
+    def fake_pyfast(model, threads, pp, tg, reps):
+        if threads == 1:
+            return {"tg128": 15.0}
+        i = calls["pf"]
+        calls["pf"] += 1
+        return {"pp512": [250.0, 300.0][i], "tg128": [30.0, 44.0][i]}
+
+    monkeypatch.setattr(script, "pyfast_bench", fake_pyfast)
+    monkeypatch.setattr(pyfast.bench, "decode_read_bytes", lambda m: 1e9)
+    monkeypatch.setattr(pyfast.bench, "read_bandwidth_gbs", lambda nth: 30.0)
+    monkeypatch.setattr(pyfast.models, "Model", lambda *a, **k: None)
+    out = tmp_path / "out.md"
+    monkeypatch.setattr(sys, "argv", ["bench_vs_llamacpp.py", "--llama-bin", str(bindir), "-m", str(tmp_path / "x.gguf"),
+                                      "--rounds", "2", "-r", "1", "-o", str(out)] + args)
+    assert script.main() == 0
+    logged = [json.loads(line) for line in (bindir / "calls.log").read_text().splitlines()]
+    return out.read_text(), logged
+
+
+def test_ratios_engine_name_and_extra_args(script, monkeypatch, tmp_path):
+    text, logged = run(script, monkeypatch, tmp_path,
+                       ["--engine", "ik_llama.cpp", "--llama-args=-rtr 1", "--startup-runs", "0"])
+    # every llama-bench call carries the extra arguments, 2 rounds x (2 threads, 1 thread)
+    assert len(logged) == 4 and all(c[-2:] == ["-rtr", "1"] for c in logged)
+    assert "| ik_llama.cpp t/s |" in text and "reached (ik_llama.cpp)" in text
+    # pp512: rounds 250/100 and 300/200 -> 2.50, 1.50; the median of the rounds' ratios is 2.00
+    # (the ratio of the medians would be 275 / 150 = 1.83)
+    assert "| x.gguf | pp512 | 2 | 150.0 | 275.0 | 2.00x | 2.50, 1.50 |" in text
+    assert "| x.gguf | tg128 | 2 | 30.0 | 37.0 | 1.30x | 1.50, 1.10 |" in text
+    # 1 thread: 15 / 10 each round; bound 30 GB/s / 1 GB per token = 30 t/s
+    assert "| x.gguf | pyfast 15.0 / ik_llama.cpp 10.0 t/s | 1.50x (1.50, 1.50) | 30.0 GB/s | 30 t/s | 50% | 33% |" in text
+    assert "load -> first token" not in text
+
+
+def test_default_names_llama_cpp_and_rejects_negative_startup_runs(script, monkeypatch, tmp_path):
+    monkeypatch.setattr(script, "startup_pair", lambda *a: (1.0, 0.8, 700.0, 650.0))
+    text, logged = run(script, monkeypatch, tmp_path, [])
+    assert all("-rtr" not in c for c in logged)
+    assert "| llama.cpp t/s |" in text
+    assert "| x.gguf | 1.000 s | 0.800 s | 0.80x | 700 MiB | 650 MiB | -50 MiB |" in text
+    monkeypatch.setattr(sys, "argv", ["bench_vs_llamacpp.py", "--llama-bin", str(tmp_path), "--startup-runs", "-1"])
+    with pytest.raises(SystemExit) as e:
+        script.main()
+    assert e.value.code == 2
