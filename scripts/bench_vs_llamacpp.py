@@ -43,7 +43,11 @@ def llama_bench(bin_dir: str, model: str, threads: int, pp: int, tg: int, reps: 
                 extra: list[str] | None = None) -> dict[str, float]:
     cmd = [os.path.join(bin_dir, "llama-bench"), "-m", model, "-t", str(threads), "-r", str(reps), "-o", "json"]
     cmd += ["-p", str(pp), "-n", str(tg)] + (extra or [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    if p.returncode != 0:  # e.g. an option this build of llama-bench does not know
+        tail = "\n".join(p.stderr.strip().splitlines()[-5:])
+        raise SystemExit(f"llama-bench failed (exit {p.returncode}): {' '.join(cmd)}\n{tail}")
+    out = p.stdout
     res = {}
     for row in json.loads(out):
         key = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
@@ -155,7 +159,10 @@ def main() -> int:
     a = ap.parse_args()
     if a.startup_runs < 0 or (a.startup_only and a.startup_runs == 0):
         ap.error("--startup-runs must be >= 0 (>= 1 with --startup-only)")
-    extra_args = shlex.split(a.llama_args)
+    try:
+        extra_args = shlex.split(a.llama_args)
+    except ValueError as e:
+        ap.error(f"--llama-args: {e}")
     eng = a.engine
     from pyfast.bench import decode_read_bytes, read_bandwidth_gbs
     from pyfast.models import Model

@@ -97,3 +97,16 @@ def test_default_names_llama_cpp_and_rejects_negative_startup_runs(script, monke
     with pytest.raises(SystemExit) as e:
         script.main()
     assert e.value.code == 2
+
+
+def test_llama_bench_failure_and_bad_args_are_clear_errors(script, monkeypatch, tmp_path):
+    exe = tmp_path / "llama-bench"
+    exe.write_text(f"#!{sys.executable}\nimport sys\nprint('error: unknown argument: -rtr', file=sys.stderr)\nsys.exit(1)\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    with pytest.raises(SystemExit) as e:
+        script.llama_bench(str(tmp_path), "x.gguf", 2, 512, 128, 1, ["-rtr", "1"])
+    assert "llama-bench failed (exit 1)" in str(e.value.code) and "unknown argument: -rtr" in str(e.value.code)
+    monkeypatch.setattr(sys, "argv", ["bench_vs_llamacpp.py", "--llama-bin", str(tmp_path), "--llama-args", "-x 'open"])
+    with pytest.raises(SystemExit) as e:
+        script.main()
+    assert e.value.code == 2
