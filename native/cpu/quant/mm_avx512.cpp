@@ -923,13 +923,7 @@ PF_AVX512 PF_INLINE int64_t zero_after(__m512i v) {
   return z;
 }
 
-// Packed Q4_0 / Q4_1 / Q8_0, one activation row: two blocks per step, their four dot chains side
-// by side. Left free, this loop runs far ahead of its data when the weights come from DRAM and
-// streams less than the slower K-quant kernels (Q8_0 18-20 GB/s against Q4_K's 25-29 at one
-// thread). So it is paced: a step's loads wait for the previous step's sums, and its prefetches
-// (12 KiB ahead) for its own codes, through addresses offset by zero_after. Whole model, 1 thread,
-// against the generic pass: llama-1b Q8_0 tg 1.21x, Q4_0 1.16x. Same integer sums and float stage,
-// in the same order, as xt_pass<WT, 1, kPacked> (bit-identical).
+// One block's float stage of xt_q32_row (xt_pass's, for one row).
 template <DType WT>
 PF_AVX512 PF_INLINE void q32_block_out(__m512& acc, const ActQ& a, size_t mi, __m512 dw, __m512 mw, __m512i z0,
                                        __m512i z1) {
@@ -939,6 +933,13 @@ PF_AVX512 PF_INLINE void q32_block_out(__m512& acc, const ActQ& a, size_t mi, __
   else (void)mw;
 }
 
+// Packed Q4_0 / Q4_1 / Q8_0, one activation row: two blocks per step, their four dot chains side
+// by side. Left free, this loop runs far ahead of its data when the weights come from DRAM and
+// streams less than the slower K-quant kernels (Q8_0 18-20 GB/s against Q4_K's 25-29 at one
+// thread). So it is paced: a step's loads wait for the previous step's sums, and its prefetches
+// (12 KiB ahead) for its own codes, through addresses offset by zero_after. Whole model, 1 thread,
+// against the generic pass: llama-1b Q8_0 tg 1.21-1.25x, Q4_0 1.16-1.27x. Same integer sums and
+// float stage, in the same order, as xt_pass<WT, 1, kPacked> (bit-identical).
 template <DType WT>
 PF_AVX512 void xt_q32_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   constexpr bool kOff = WT == DType::Q8_0 || kOffsetShift<WT> > 0;
