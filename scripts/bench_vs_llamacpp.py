@@ -175,7 +175,7 @@ def main() -> int:
     extra = ["", "| model | 1-thread tg128 | ratio (each round) | read bandwidth | bandwidth bound | reached (pyfast) "
              f"| reached ({eng}) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     start = ["", f"| model | load -> first token, {eng} | pyfast | ratio | peak RSS {eng} | pyfast | difference |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"] if a.startup_runs else []
     for m in models:
         name = os.path.basename(m)
         if a.startup_only:
@@ -224,8 +224,6 @@ def main() -> int:
             start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
                          f"| {pr - lr:+.0f} MiB |")
         print(f"done {name}", file=sys.stderr)
-    if not a.startup_runs:
-        start = []
     if a.startup_only:
         lines = [f"Machine: {os.cpu_count()} CPUs; {a.startup_runs} alternating starts per file; "
                  f"{time.strftime('%Y-%m-%d %H:%M')}; load average before: {os.getloadavg()[0]:.2f}", ""]

@@ -923,7 +923,14 @@ PF_AVX512 PF_INLINE int64_t zero_after(__m512i v) {
   return z;
 }
 
-// One block's float stage of xt_q32_row (xt_pass's, for one row).
+// One block of xt_q32_row: its integer sums (xt_pass's two chains, from z0 / z1), then its float
+// stage (xt_pass's, for one row).
+PF_AVX512 PF_INLINE void q32_block_dots(const __m512i* w, const int8_t* x, __m512i& z0, __m512i& z1) {
+  for (int g = 0; g < 4; ++g) {
+    z0 = _mm512_dpbusd_epi32(z0, w[g], bcast4(x + 4 * g));
+    z1 = _mm512_dpbusd_epi32(z1, w[g + 4], bcast4(x + 16 + 4 * g));
+  }
+}
 template <DType WT>
 PF_AVX512 PF_INLINE void q32_block_out(__m512& acc, const ActQ& a, size_t mi, __m512 dw, __m512 mw, __m512i z0,
                                        __m512i z1) {
@@ -965,12 +972,8 @@ PF_AVX512 void xt_q32_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
     }
     const int8_t* x = xq + b * QK;
     __m512i z0 = start(b), z1 = _mm512_setzero_si512(), z2 = start(b + 1), z3 = _mm512_setzero_si512();
-    for (int g = 0; g < 4; ++g) {
-      z0 = _mm512_dpbusd_epi32(z0, w[g], bcast4(x + 4 * g));
-      z1 = _mm512_dpbusd_epi32(z1, w[g + 4], bcast4(x + 16 + 4 * g));
-      z2 = _mm512_dpbusd_epi32(z2, v[g], bcast4(x + QK + 4 * g));
-      z3 = _mm512_dpbusd_epi32(z3, v[g + 4], bcast4(x + QK + 16 + 4 * g));
-    }
+    q32_block_dots(w, x, z0, z1);
+    q32_block_dots(v, x + QK, z2, z3);
     q32_block_out<WT>(acc, a, mo + (size_t)b * 4, dw0, mw0, z0, z1);
     q32_block_out<WT>(acc, a, mo + (size_t)(b + 1) * 4, dw1, mw1, z2, z3);
     pace = zero_after(z3);
@@ -981,10 +984,7 @@ PF_AVX512 void xt_q32_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
     xt_unpack_at<WT>(c.pk + b * blk + pace, w, dw0, mw0);
     const int8_t* x = xq + b * QK;
     __m512i z0 = start(b), z1 = _mm512_setzero_si512();
-    for (int g = 0; g < 4; ++g) {
-      z0 = _mm512_dpbusd_epi32(z0, w[g], bcast4(x + 4 * g));
-      z1 = _mm512_dpbusd_epi32(z1, w[g + 4], bcast4(x + 16 + 4 * g));
-    }
+    q32_block_dots(w, x, z0, z1);
     q32_block_out<WT>(acc, a, mo + (size_t)b * 4, dw0, mw0, z0, z1);
   }
   const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
