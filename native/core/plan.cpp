@@ -36,9 +36,9 @@ uint8_t* alloc_aligned(size_t n) {
 
 // Op profile (environment variable PYFAST_PROFILE=1): the time each op's kernel shares took,
 // summed over threads, and the time threads waited for each other between groups; printed to
-// stderr when the process exits. PYFAST_PROFILE=2 also lists the matmuls by weight type, shape
-// and rows, with the weight bytes read per second of thread time. Off, it costs one predictable
-// branch per share.
+// stderr when the process exits. PYFAST_PROFILE=2 also lists the matmuls (and matmul_id, by the
+// experts it selected) by weight type, shape and rows, with the weight bytes read per second of
+// thread time. Off, it costs one predictable branch per share.
 struct OpProfile {
   bool on = false, detail = false;
   std::atomic<uint64_t> ns[(int)Op::count + 1] = {}, calls[(int)Op::count + 1] = {};
@@ -55,11 +55,11 @@ struct OpProfile {
   ~OpProfile() {
     if (!on) return;
     if (detail && !matmuls.empty()) {
-      std::fprintf(stderr, "pyfast matmul profile (thread time):\n%-34s %8s %10s %10s %14s\n", "weight (N x K), rows", "runs",
+      std::fprintf(stderr, "pyfast matmul profile (thread time):\n%-44s %8s %10s %10s %14s\n", "weight (N x K), rows", "runs",
                    "ms", "us/run", "GB/s/thread");
       for (const auto& kv : matmuls) {
         const MatmulStat& m = kv.second;
-        std::fprintf(stderr, "%-34s %8llu %10.1f %10.2f %14.2f\n", kv.first.c_str(), (unsigned long long)m.runs,
+        std::fprintf(stderr, "%-44s %8llu %10.1f %10.2f %14.2f\n", kv.first.c_str(), (unsigned long long)m.runs,
                      m.ns / 1e6, m.ns / 1e3 / (double)(m.runs ? m.runs : 1), m.ns ? (double)m.bytes / (double)m.ns : 0.0);
       }
     }
@@ -97,6 +97,30 @@ struct OpProfile {
     char key[96];
     std::snprintf(key, sizeof key, "%s%s %lld x %lld%s, %lld", dtype_name(w.dtype), w.packed ? " x16" : "",
                   (long long)N, (long long)K, n_w > 1 ? " (fused)" : w.shape.ndim > 2 ? " (experts)" : "", (long long)M);
+    record(key, first, bytes, t);
+  }
+  // One share of matmul_id (w[E, N, K], ids[T, k]); the first share counts the bytes of the
+  // distinct experts the ids select.
+  void add_matmul_id(const Node& x, const Node& w, const Node& ids, bool first, uint64_t t) {
+    const int64_t E = w.shape[0], N = w.shape[1], K = w.shape[2];
+    uint64_t bytes = 0;
+    if (first) {
+      std::vector<char> used((size_t)E, 0);
+      int64_t n_used = 0;
+      for (int64_t a = 0; a < ids.shape[0]; ++a)
+        for (int64_t b = 0; b < ids.shape[1]; ++b) {
+          const int32_t e = *reinterpret_cast<const int32_t*>(ids.data + a * ids.shape.strides[0] + b * ids.shape.strides[1]);
+          if (e >= 0 && e < E && !used[(size_t)e]) used[(size_t)e] = 1, ++n_used;
+        }
+      bytes = (uint64_t)n_used * (uint64_t)w.shape.strides[0];
+    }
+    const int64_t rows = K ? x.shape.numel() / K : 0;
+    char key[96];
+    std::snprintf(key, sizeof key, "%s%s %lld x %lld (selected experts), %lld", dtype_name(w.dtype), w.packed ? " x16" : "",
+                  (long long)N, (long long)K, (long long)rows);
+    record(key, first, bytes, t);
+  }
+  void record(const char* key, bool first, uint64_t bytes, uint64_t t) {
     std::lock_guard<std::mutex> lk(mu);
     MatmulStat& m = matmuls[key];
     m.ns += t;
@@ -576,6 +600,8 @@ void Plan::run() {
           else
             ws[n_w++] = &nodes[nd.src[1]];
           g_profile.add_matmul(nodes[nd.src[0]], ws, n_w, s == 0, t);
+        } else if (g_profile.detail && nd.op == Op::matmul_id) {
+          g_profile.add_matmul_id(nodes[nd.src[0]], nodes[nd.src[1]], nodes[nd.src[2]], s == 0, t);
         }
       }
       p.ith = ith;

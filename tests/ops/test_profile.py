@@ -58,3 +58,40 @@ def test_profile_off_prints_nothing():
     out, err = _profile(2, runs=3, env_value="0")
     assert out.startswith("ok")
     assert "pyfast profile" not in err
+
+
+MOE_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    from pyfast._loader import native as N
+    F32, I32 = N.DType.F32, N.DType.I32
+    E, n, K = 8, 256, 1024
+    g = N.Graph()
+    x = g.input("x", F32, [3, K])
+    w = g.input("w", F32, [E, n, K])
+    ids = g.input("ids", I32, [3, 2])
+    g.output(g.matmul_id(x, w, ids), "y")
+    p = N.Plan(g, N.ThreadPool(2))
+    p.set_input("x", np.ones((3, K), np.float32))
+    p.set_input("w", np.ones((E, n, K), np.float32))
+    p.set_input("ids", np.array([[5, 2], [2, 5], [5, 5]], np.int32))  # two distinct experts
+    for _ in range(40):
+        p.run()
+    print("ok", float(p.output("y")[0, 0, 0]))
+""")
+
+
+def test_profile_detail_counts_selected_experts():
+    # PYFAST_PROFILE=2 lists matmul_id by the bytes of the experts its ids select (2 of the 8
+    # here), so GB/s x ms gives 40 runs x 2 experts x 256 x 1024 x 4 bytes, not 8 experts' worth.
+    env = dict(os.environ, PYFAST_PROFILE="2")
+    r = subprocess.run([sys.executable, "-c", MOE_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ok 1024.0"), r.stdout
+    row = [ln for ln in r.stderr.splitlines() if "(selected experts)" in ln]
+    assert len(row) == 1, r.stderr
+    m = re.match(r"^F32 256 x 1024 \(selected experts\), 3\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", row[0])
+    assert m, row[0]
+    runs, ms, gbs = int(m.group(1)), float(m.group(2)), float(m.group(4))
+    assert runs == 40
+    per_run = gbs * ms * 1e6 / runs
+    assert abs(per_run / (2 * 256 * 1024 * 4) - 1) < 0.1, (per_run, r.stderr)
