@@ -110,7 +110,10 @@ struct OpProfile {
       for (int64_t a = 0; a < ids.shape[0]; ++a)
         for (int64_t b = 0; b < ids.shape[1]; ++b) {
           const int32_t e = *reinterpret_cast<const int32_t*>(ids.data + a * ids.shape.strides[0] + b * ids.shape.strides[1]);
-          if (e >= 0 && e < E && !used[(size_t)e]) used[(size_t)e] = 1, ++n_used;
+          if (e >= 0 && e < E && !used[(size_t)e]) {
+            used[(size_t)e] = 1;
+            ++n_used;
+          }
         }
       bytes = (uint64_t)n_used * (uint64_t)w.shape.strides[0];
     }
