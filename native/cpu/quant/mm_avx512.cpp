@@ -542,6 +542,24 @@ PF_AVX512 PF_INLINE __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// One decoded block (eight weight vectors w) against one activation row's block x: the integer
+// sums as two chains of four vpdpbusd (from z0 / z1), then the float stage quant.h fixes, into
+// acc (mi: the row's meta index of the block). Every pass that goes row by row uses these two.
+PF_AVX512 PF_INLINE void xt_block_dots(const __m512i* w, const int8_t* x, __m512i& z0, __m512i& z1) {
+  for (int g = 0; g < 4; ++g) {
+    z0 = _mm512_dpbusd_epi32(z0, w[g], bcast4(x + 4 * g));
+    z1 = _mm512_dpbusd_epi32(z1, w[g + 4], bcast4(x + 16 + 4 * g));
+  }
+}
+template <DType WT>
+PF_AVX512 PF_INLINE void xt_block_out(__m512& acc, const ActQ& a, size_t mi, __m512 dw, __m512 mw, __m512i z0,
+                                      __m512i z1) {
+  const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), dw);
+  acc = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(_mm512_add_epi32(z0, z1)), acc);
+  if constexpr (kHasMin<WT>) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.f[mi]), acc);
+  else (void)mw;
+}
+
 // The chunk's decoded blocks in the scratch and per-row integer offsets (see qgemm_xt).
 struct XtBuf {
   __m512i* wt;         // [nb][8]
@@ -690,18 +708,12 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
           if constexpr (kHasMin<WT>) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.f[mi]), acc[i]);
         }
       } else {
-        for (int i = 0; i < RM; ++i) {  // row by row, two chains of four
-          const int8_t* x = xq[i] + b * QK;
+        for (int i = 0; i < RM; ++i) {  // row by row
           const size_t mi = mo[i] + (size_t)b * 4;
-          const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), dw);
           __m512i z0 = kOff ? _mm512_set1_epi32(xb.o0[mi - xb.obase]) : _mm512_setzero_si512();
           __m512i z1 = _mm512_setzero_si512();
-          for (int g = 0; g < 4; ++g) {
-            z0 = _mm512_dpbusd_epi32(z0, wb[g], bcast4(x + 4 * g));
-            z1 = _mm512_dpbusd_epi32(z1, wb[g + 4], bcast4(x + 16 + 4 * g));
-          }
-          acc[i] = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(_mm512_add_epi32(z0, z1)), acc[i]);
-          if constexpr (kHasMin<WT>) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.f[mi]), acc[i]);
+          xt_block_dots(wb, xq[i] + b * QK, z0, z1);
+          xt_block_out<WT>(acc[i], a, mi, dw, mw, z0, z1);
         }
       }
     }
@@ -923,30 +935,13 @@ PF_AVX512 PF_INLINE int64_t zero_after(__m512i v) {
   return z;
 }
 
-// One block of xt_q32_row: its integer sums (xt_pass's two chains, from z0 / z1), then its float
-// stage (xt_pass's, for one row).
-PF_AVX512 PF_INLINE void q32_block_dots(const __m512i* w, const int8_t* x, __m512i& z0, __m512i& z1) {
-  for (int g = 0; g < 4; ++g) {
-    z0 = _mm512_dpbusd_epi32(z0, w[g], bcast4(x + 4 * g));
-    z1 = _mm512_dpbusd_epi32(z1, w[g + 4], bcast4(x + 16 + 4 * g));
-  }
-}
-template <DType WT>
-PF_AVX512 PF_INLINE void q32_block_out(__m512& acc, const ActQ& a, size_t mi, __m512 dw, __m512 mw, __m512i z0,
-                                       __m512i z1) {
-  const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), dw);
-  acc = _mm512_fmadd_ps(dxw, _mm512_cvtepi32_ps(_mm512_add_epi32(z0, z1)), acc);
-  if constexpr (kHasMin<WT>) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.f[mi]), acc);
-  else (void)mw;
-}
-
 // Packed Q4_0 / Q4_1 / Q8_0, one activation row: two blocks per step, their four dot chains side
 // by side. Left free, this loop runs far ahead of its data when the weights come from DRAM and
 // streams less than the slower K-quant kernels (Q8_0 18-20 GB/s against Q4_K's 25-29 at one
 // thread). So it is paced: a step's loads wait for the previous step's sums, and its prefetches
 // (12 KiB ahead) for its own codes, through addresses offset by zero_after. Whole model, 1 thread,
-// against the generic pass: llama-1b Q8_0 tg 1.21-1.25x, Q4_0 1.16-1.27x. Same integer sums and
-// float stage, in the same order, as xt_pass<WT, 1, kPacked> (bit-identical).
+// against the generic pass: llama-1b Q8_0 tg 1.21-1.25x, Q4_0 1.16-1.27x. Each block goes through
+// xt_block_dots / xt_block_out as in xt_pass<WT, 1, kPacked> (bit-identical).
 template <DType WT>
 PF_AVX512 void xt_q32_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   constexpr bool kOff = WT == DType::Q8_0 || kOffsetShift<WT> > 0;
@@ -972,10 +967,10 @@ PF_AVX512 void xt_q32_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
     }
     const int8_t* x = xq + b * QK;
     __m512i z0 = start(b), z1 = _mm512_setzero_si512(), z2 = start(b + 1), z3 = _mm512_setzero_si512();
-    q32_block_dots(w, x, z0, z1);
-    q32_block_dots(v, x + QK, z2, z3);
-    q32_block_out<WT>(acc, a, mo + (size_t)b * 4, dw0, mw0, z0, z1);
-    q32_block_out<WT>(acc, a, mo + (size_t)(b + 1) * 4, dw1, mw1, z2, z3);
+    xt_block_dots(w, x, z0, z1);
+    xt_block_dots(v, x + QK, z2, z3);
+    xt_block_out<WT>(acc, a, mo + (size_t)b * 4, dw0, mw0, z0, z1);
+    xt_block_out<WT>(acc, a, mo + (size_t)(b + 1) * 4, dw1, mw1, z2, z3);
     pace = zero_after(z3);
   }
   if (b < nb) {  // an odd last block
@@ -984,8 +979,8 @@ PF_AVX512 void xt_q32_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
     xt_unpack_at<WT>(c.pk + b * blk + pace, w, dw0, mw0);
     const int8_t* x = xq + b * QK;
     __m512i z0 = start(b), z1 = _mm512_setzero_si512();
-    q32_block_dots(w, x, z0, z1);
-    q32_block_out<WT>(acc, a, mo + (size_t)b * 4, dw0, mw0, z0, z1);
+    xt_block_dots(w, x, z0, z1);
+    xt_block_out<WT>(acc, a, mo + (size_t)b * 4, dw0, mw0, z0, z1);
   }
   const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
   _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
