@@ -2,15 +2,22 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "bindings/bindings.h"
 #include "cpu/quant/quant.h"
 #include "pyfast/cpu.h"
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 namespace py = pybind11;
 using namespace pyfast;
@@ -114,6 +121,87 @@ void bind_quant(py::module_& m) {
       py::arg("dtype"), py::arg("raw"), py::arg("n_rows"), py::arg("n_cols"),
       "Rewrite a row-major [n_rows, n_cols] weight of dtype (writable bytes) in place into the packed\n"
       "x16 layout that Graph.external(..., packed=True) expects. Releases the GIL.");
+
+#if defined(__unix__) || defined(__APPLE__)
+  m.def(
+      "read_pack",
+      [](int fd, py::buffer raw, int64_t a, int64_t b, int64_t file_off, const std::vector<std::tuple<int64_t, int64_t, int64_t, DType, int64_t>>& packs,
+         py::buffer stop) {
+        py::buffer_info bi = raw.request(true);
+        py::buffer_info si = stop.request();
+        const int64_t size = (int64_t)(bi.size * bi.itemsize);
+        if (a < 0 || b < a || b > size || file_off < 0)
+          throw std::invalid_argument("[read_pack] range [" + std::to_string(a) + ", " + std::to_string(b) +
+                                      ") does not fit the " + std::to_string(size) + "-byte buffer");
+        if (si.size * si.itemsize < 1) throw std::invalid_argument("[read_pack] stop must hold a byte");
+        for (const auto& [s, e, cb, t, ncols] : packs) {
+          if (s < 0 || e > size || e < s || cb <= 0 || (e - s) % cb != 0 || !packable(t) || ncols <= 0 ||
+              ncols % dtype_block_size(t) != 0 || dtype_row_size(t, ncols) * 16 != (size_t)cb)
+            throw std::invalid_argument("[read_pack] bad packed tensor [" + std::to_string(s) + ", " + std::to_string(e) + ")");
+        }
+        uint8_t* p = static_cast<uint8_t*>(bi.ptr);
+        const volatile uint8_t* stop_flag = static_cast<const volatile uint8_t*>(si.ptr);
+        std::string err;
+        bool stopped = false, short_file = false;
+        {
+          py::gil_scoped_release nogil;
+          // [x, y) of the buffer from the file; false when the file ends first or a read fails
+          auto read = [&](int64_t x, int64_t y) {
+            while (x < y) {
+              if (*stop_flag) {
+                stopped = true;
+                return false;
+              }
+              const size_t n = (size_t)std::min<int64_t>(y - x, int64_t(64) << 20);
+              const ssize_t got = ::pread(fd, p + x, n, (off_t)(file_off + x));
+              if (got < 0 && errno == EINTR) continue;
+              if (got < 0) {
+                err = std::strerror(errno);
+                return false;
+              }
+              if (got == 0) {
+                short_file = true;
+                err = std::to_string(file_off + x);
+                return false;
+              }
+              x += got;
+            }
+            return true;
+          };
+          std::vector<uint8_t> rows;
+          bool ok = true;
+          for (const auto& [s, e, cb, t, ncols] : packs) {
+            if (!ok || e <= a || s >= b) continue;
+            if (!(ok = read(a, std::max(a, s)))) break;  // the bytes before this tensor
+            // slabs of about 4 MiB (whole 16-row chunks), each packed right after it is read,
+            // while its bytes are still in cache; a chunk's packed bytes take its rows' place
+            const int64_t slab = std::max<int64_t>(1, (int64_t(4) << 20) / cb) * cb;
+            a = std::max(a, s);
+            rows.resize((size_t)cb);
+            while (a < std::min(e, b)) {
+              const int64_t z = std::min({a + slab, e, b});
+              if (!(ok = read(a, z))) break;
+              for (int64_t c = a; c + cb <= z; c += cb) {
+                std::memcpy(rows.data(), p + c, (size_t)cb);
+                pack_x16(t, rows.data(), p + c, 16, ncols);
+              }
+              a = z;
+            }
+          }
+          if (ok) read(a, b);
+        }
+        if (stopped) throw std::runtime_error("pyfast is exiting: the weights were not read");
+        if (short_file) throw std::invalid_argument("file ended at byte " + err + " while reading tensor data");
+        if (!err.empty()) throw std::runtime_error("[read_pack] reading the file failed: " + err);
+      },
+      py::arg("fd"), py::arg("raw"), py::arg("a"), py::arg("b"), py::arg("file_offset"), py::arg("packs"),
+      py::arg("stop"),
+      "Read bytes [a, b) of the writable buffer raw from the open file fd at file_offset + a, packing\n"
+      "the parts of packs ((start, end, chunk bytes, dtype, n_cols) by start, buffer offsets; chunks\n"
+      "whole within [a, b)) into the x16 layout slab by slab as they arrive. Stops with RuntimeError\n"
+      "once stop[0] is non-zero (checked between reads of at most 64 MiB or one slab). Releases the GIL\n"
+      "for the whole read, so model loading does not wait on Python threads.");
+#endif
 
   m.def(
       "unpack_x16",

@@ -4,6 +4,8 @@ layout directly, the others unpack each chunk first); packing round-trips exactl
 refuses a packed tensor."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -192,3 +194,53 @@ def test_packed_tensors_are_refused_elsewhere():
         g.external("odd_exps", Q4_1, [2, 24, 64], np.zeros((48, 40), np.uint8), packed=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         N.pack_x16(Q4_1, np.zeros((24, 40), np.uint8), 24, 64)
+
+
+@pytest.mark.skipif(not hasattr(N, "read_pack"), reason="read_pack needs a POSIX pread")
+def test_read_pack_reads_and_packs_like_pack_x16(tmp_path):
+    """The loader's native read: the bytes of [a, b) come from the file at the given offset, and
+    the packed tensors in it end up exactly as pack_x16 leaves them, however the range is cut
+    into parts (at chunk boundaries) and whatever lies between the tensors."""
+    w1, w2 = _weight(Q4_0, 48, 64, 1), _weight(Q6_K, 32, 256, 2)
+    gap = np.arange(100, dtype=np.uint8)
+    body = np.concatenate([gap, w1.reshape(-1), gap[:36], w2.reshape(-1), gap[:7]])
+    head = 4096 + 13  # the tensor data does not start the file
+    path = tmp_path / "w.bin"
+    path.write_bytes(bytes(head) + body.tobytes())
+    s1, s2 = 100, 100 + w1.size + 36
+    packs = [(s1, s1 + w1.size, w1.size // 3, Q4_0, 64), (s2, s2 + w2.size, w2.size // 2, Q6_K, 256)]
+    want = body.copy()
+    want[s1:s1 + w1.size] = _packed(w1, Q4_0).reshape(-1)
+    want[s2:s2 + w2.size] = _packed(w2, Q6_K).reshape(-1)
+    stop = np.zeros(1, np.uint8)
+    for cuts in ([0, body.size], [0, s1 + w1.size // 3, s2 + w2.size // 2, body.size]):
+        got = np.full(body.size, 0xAA, np.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for a, b in zip(cuts, cuts[1:]):
+                N.read_pack(fd, got, a, b, head, [p for p in packs if p[1] > a and p[0] < b], stop)
+        finally:
+            os.close(fd)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(not hasattr(N, "read_pack"), reason="read_pack needs a POSIX pread")
+def test_read_pack_errors(tmp_path):
+    path = tmp_path / "w.bin"
+    path.write_bytes(bytes(range(200)))
+    buf = np.zeros(256, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="file ended at byte 200"):
+            N.read_pack(fd, buf, 0, 256, 0, [], np.zeros(1, np.uint8))
+        np.testing.assert_array_equal(buf[:200], np.arange(200))  # what was there is read
+        with pytest.raises(RuntimeError, match="exiting"):  # the stop flag, set at interpreter exit
+            N.read_pack(fd, np.zeros(16, np.uint8), 0, 16, 0, [], np.ones(1, np.uint8))
+        with pytest.raises(ValueError, match="does not fit"):
+            N.read_pack(fd, buf, 0, 300, 0, [], np.zeros(1, np.uint8))
+        with pytest.raises(ValueError, match="bad packed tensor"):  # chunk size not 16 rows
+            N.read_pack(fd, buf, 0, 64, 0, [(0, 40, 40, Q4_1, 64)], np.zeros(1, np.uint8))
+    finally:
+        os.close(fd)
+    with pytest.raises(RuntimeError, match="reading the file failed"):
+        N.read_pack(-1, buf, 0, 16, 0, [], np.zeros(1, np.uint8))

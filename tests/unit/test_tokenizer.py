@@ -361,6 +361,27 @@ def test_bad_merges_are_skipped_with_warning():
     assert tok.encode("hello") == ids_of(tok, "hello")
 
 
+def test_merges_split_in_bulk_match_the_checked_split(monkeypatch):
+    """Valid str merges are split in bulk and left to tokenizers to check (start-up time); the
+    result must be the tokenizer the per-merge split builds (bytes merges take that path)."""
+    fast = Tokenizer.from_gguf_metadata(bpe_md())
+    checked = Tokenizer.from_gguf_metadata(bpe_md(**{"tokenizer.ggml.merges": [m.encode() for m in BPE_MERGES]}))
+    for text in ("hello world!!", "hell o'sw 1234", "world hello\n12 3", "<|im_start|>hello<|im_end|>"):
+        assert fast.encode(text) == checked.encode(text), text
+    calls = []
+    real = Tokenizer._merge_pairs
+    monkeypatch.setattr(Tokenizer, "_merge_pairs", lambda self, m: calls.append(1) or real(self, m))
+    Tokenizer.from_gguf_metadata(bpe_md())
+    assert calls == []  # nothing to drop: no per-merge pass
+    # a merge whose left part starts with a space: the separator is the first space after it
+    md = bpe_md(**{"tokenizer.ggml.merges": BPE_MERGES + [" h ello"]})
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"] + [" h", "ello", " hello"]
+    md["tokenizer.ggml.token_type"] = md["tokenizer.ggml.token_type"] + [1, 1, 1]
+    tok = Tokenizer.from_gguf_metadata(md)
+    assert calls == [1]
+    assert tok._merge_pairs([" h ello"]) == [(" h", "ello")]
+
+
 def test_tokenizer_cannot_be_built_directly():
     with pytest.raises(TypeError):
         Tokenizer()
