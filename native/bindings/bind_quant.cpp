@@ -138,6 +138,9 @@ void bind_quant(py::module_& m) {
           if (s < 0 || e > size || e < s || cb <= 0 || (e - s) % cb != 0 || !packable(t) || ncols <= 0 ||
               ncols % dtype_block_size(t) != 0 || dtype_row_size(t, ncols) * 16 != (size_t)cb)
             throw std::invalid_argument("[read_pack] bad packed tensor [" + std::to_string(s) + ", " + std::to_string(e) + ")");
+          if (e > a && s < b && ((std::max(a, s) - s) % cb != 0 || (std::min(b, e) - s) % cb != 0))
+            throw std::invalid_argument("[read_pack] the range cuts a 16-row chunk of the packed tensor at " +
+                                        std::to_string(s));
         }
         uint8_t* p = static_cast<uint8_t*>(bi.ptr);
         const volatile uint8_t* stop_flag = static_cast<const volatile uint8_t*>(si.ptr);
