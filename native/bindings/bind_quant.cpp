@@ -37,6 +37,16 @@ static size_t x16_bytes(const char* what, DType t, const py::buffer_info& bi, in
   return n;
 }
 
+// Chunks [c0, c1) of cb bytes from p, each rewritten in place into the x16 layout (its packed
+// bytes take its own rows' place; rows: a chunk-sized scratch).
+static void pack_chunks(DType t, uint8_t* p, size_t cb, int64_t ncols, int64_t c0, int64_t c1, std::vector<uint8_t>& rows) {
+  rows.resize(cb);
+  for (int64_t c = c0; c < c1; ++c) {
+    std::memcpy(rows.data(), p + c * cb, cb);
+    pack_x16(t, rows.data(), p + c * cb, 16, ncols);
+  }
+}
+
 void bind_quant(py::module_& m) {
   m.def(
       "quantize_tensor",
@@ -104,11 +114,8 @@ void bind_quant(py::module_& m) {
           const size_t cb = n / (size_t)(nrows / 16);
           const int64_t n_chunks = nrows / 16;
           auto pack_range = [&](int64_t c0, int64_t c1) {
-            std::vector<uint8_t> rows(cb);
-            for (int64_t c = c0; c < c1; ++c) {
-              std::memcpy(rows.data(), p + c * cb, cb);
-              pack_x16(t, rows.data(), p + c * cb, 16, ncols);
-            }
+            std::vector<uint8_t> rows;
+            pack_chunks(t, p, cb, ncols, c0, c1, rows);
           };
           const unsigned cores = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
           const int nth = n >= (size_t(8) << 20) ? (int)cores : 1;
@@ -134,13 +141,15 @@ void bind_quant(py::module_& m) {
           throw std::invalid_argument("[read_pack] range [" + std::to_string(a) + ", " + std::to_string(b) +
                                       ") does not fit the " + std::to_string(size) + "-byte buffer");
         if (si.size * si.itemsize < 1) throw std::invalid_argument("[read_pack] stop must hold a byte");
+        int64_t prev_end = 0;
         for (const auto& [s, e, cb, t, ncols] : packs) {
-          if (s < 0 || e > size || e < s || cb <= 0 || (e - s) % cb != 0 || !packable(t) || ncols <= 0 ||
+          if (s < prev_end || e > size || e < s || cb <= 0 || (e - s) % cb != 0 || !packable(t) || ncols <= 0 ||
               ncols % dtype_block_size(t) != 0 || dtype_row_size(t, ncols) * 16 != (size_t)cb)
             throw std::invalid_argument("[read_pack] bad packed tensor [" + std::to_string(s) + ", " + std::to_string(e) + ")");
           if (e > a && s < b && ((std::max(a, s) - s) % cb != 0 || (std::min(b, e) - s) % cb != 0))
             throw std::invalid_argument("[read_pack] the range cuts a 16-row chunk of the packed tensor at " +
                                         std::to_string(s));
+          prev_end = e;
         }
         uint8_t* p = static_cast<uint8_t*>(bi.ptr);
         const volatile uint8_t* stop_flag = static_cast<const volatile uint8_t*>(si.ptr);
@@ -180,14 +189,10 @@ void bind_quant(py::module_& m) {
             // while its bytes are still in cache; a chunk's packed bytes take its rows' place
             const int64_t slab = std::max<int64_t>(1, (int64_t(4) << 20) / cb) * cb;
             a = std::max(a, s);
-            rows.resize((size_t)cb);
             while (a < std::min(e, b)) {
               const int64_t z = std::min({a + slab, e, b});
               if (!(ok = read(a, z))) break;
-              for (int64_t c = a; c + cb <= z; c += cb) {
-                std::memcpy(rows.data(), p + c, (size_t)cb);
-                pack_x16(t, rows.data(), p + c, 16, ncols);
-              }
+              pack_chunks(t, p + s, (size_t)cb, ncols, (a - s) / cb, (z - s) / cb, rows);
               a = z;
             }
           }
@@ -200,10 +205,10 @@ void bind_quant(py::module_& m) {
       py::arg("fd"), py::arg("raw"), py::arg("a"), py::arg("b"), py::arg("file_offset"), py::arg("packs"),
       py::arg("stop"),
       "Read bytes [a, b) of the writable buffer raw from the open file fd at file_offset + a, packing\n"
-      "the parts of packs ((start, end, chunk bytes, dtype, n_cols) by start, buffer offsets; chunks\n"
-      "whole within [a, b)) into the x16 layout slab by slab as they arrive. Stops with RuntimeError\n"
-      "once stop[0] is non-zero (checked between reads of at most 64 MiB or one slab). Releases the GIL\n"
-      "for the whole read, so model loading does not wait on Python threads.");
+      "the parts of packs ((start, end, chunk bytes, dtype, n_cols) in order, not overlapping, buffer\n"
+      "offsets; chunks whole within [a, b)) into the x16 layout slab by slab as they arrive. Stops\n"
+      "with RuntimeError once stop[0] is non-zero (checked between reads of at most 64 MiB or one\n"
+      "slab). Releases the GIL for the whole read, so model loading does not wait on Python threads.");
 #endif
 
   m.def(

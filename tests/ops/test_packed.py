@@ -241,6 +241,9 @@ def test_read_pack_errors(tmp_path):
         with pytest.raises(ValueError, match="bad packed tensor"):  # chunk size not 16 rows
             N.read_pack(fd, buf, 0, 64, 0, [(0, 40, 40, Q4_1, 64)], np.zeros(1, np.uint8))
         big = np.zeros(2 * 640, np.uint8)  # two 16-row Q4_1 chunks of 64 columns
+        with pytest.raises(ValueError, match="bad packed tensor"):  # out of order: one would be skipped
+            N.read_pack(fd, big, 0, 1280, 0, [(640, 1280, 640, Q4_1, 64), (0, 640, 640, Q4_1, 64)],
+                        np.zeros(1, np.uint8))
         with pytest.raises(ValueError, match="cuts a 16-row chunk"):
             N.read_pack(fd, big, 0, 700, 0, [(0, 1280, 640, Q4_1, 64)], np.zeros(1, np.uint8))
     finally:
