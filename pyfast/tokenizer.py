@@ -516,9 +516,9 @@ class Tokenizer:
 
     def _bpe_model(self, merges: list, what: str, **kw):
         """tokenizers' BPE model over the vocabulary and the file's merges. When every merge is a
-        str that does not start with a space, the merges are split in bulk (about half the time
-        of the checked split, which is a large part of a start-up) and tokenizers checks them;
-        if it rejects any, the checked split drops the bad ones with a warning, as llama.cpp does."""
+        str that does not start with a space, the merges are split in bulk (SmolLM2's 49k: 29-44
+        ms against the checked split's 87-119) and tokenizers checks them; if it rejects any, the
+        checked split drops the bad ones with a warning, as llama.cpp does."""
         from tokenizers import models
 
         if not (set(map(type, merges)) - {str}):

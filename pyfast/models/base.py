@@ -39,7 +39,7 @@ def _file_key(path: str) -> tuple | None:
 _IN_MEMORY: dict[tuple, list] = {}  # file key -> weak references to the Weights holding it in memory
 
 # Loader threads still running at interpreter exit are told to stop after their current slab and
-# joined: a daemon thread that comes back from a native call (pack_x16) while the interpreter
+# joined: a daemon thread that comes back from a native call (read_pack) while the interpreter
 # finalizes is ended inside C++ and aborts the process.
 _STOP_LOADERS = threading.Event()
 _STOP_FLAG = np.zeros(1, np.uint8)  # the same, for native.read_pack (which holds no GIL to ask)
@@ -160,8 +160,8 @@ class Weights:
         kernel's page copies and huge-page faults then run in parallel: a cached 1.1 GB file
         took 0.15 s with two threads against 0.27 s with one). The matmul weights (``_eager_pack``)
         are packed slab by slab right after each slab is read, while the bytes are still in cache
-        and off the start-up path (the caller builds the tokenizer meanwhile; pack_x16 releases
-        the GIL too)."""
+        and off the start-up path (``native.read_pack``; the caller builds the tokenizer
+        meanwhile)."""
         try:
             lo, hi = int(self.reader.data_offset), int(self.reader.file_size)
             total = max(hi - lo, 1)
@@ -170,7 +170,6 @@ class Weights:
                 buf = native.Buffer(total, huge_pages=pages == "fault")
             else:
                 buf = native.Buffer(total, huge_pages=pages != "small", advise=pages == "fault")
-            view = memoryview(buf)
             host = np.frombuffer(buf, dtype=np.uint8)
             packs, eager = self._eager_pack()  # [(start, end, chunk bytes, dtype, n_cols)] by start, names
             parts = max(1, min(4, os.cpu_count() or 1, total >> 26))
@@ -188,46 +187,16 @@ class Weights:
                 cuts.append(max(c, cuts[-1]))
             cuts.append(hi - lo)
             errors: list[BaseException] = []
-            # Reading and packing in Python steps would take the GIL back between slabs, and the
-            # main thread building the tokenizer holds it for up to 5 ms at a time: a 95 MB file
-            # took 0.16-0.22 s to load alone and 2.6 s beside a busy Python thread.
-            fast = hasattr(native, "read_pack")  # not in extensions built before it
             fd = os.open(self.reader.path, os.O_RDONLY)
             try:
-                def read(a: int, b: int) -> None:
-                    while a < b:
-                        if _STOP_LOADERS.is_set():
-                            raise RuntimeError("pyfast is exiting: the weights were not read")
-                        got = os.preadv(fd, [view[a:min(b, a + (64 << 20))]], lo + a)
-                        if not got:
-                            raise ValueError(f"{self.reader.path}: file ended at byte {lo + a} while "
-                                             f"reading tensor data up to byte {hi}")
-                        a += got
-
                 def part(a: int, b: int) -> None:
+                    # one native call per part, without the GIL: a Python loop over the slabs took
+                    # the GIL back between them from the main thread building the tokenizer (a
+                    # 95 MB file loaded in 0.12-0.25 s alone, 2.3-2.7 s beside a busy Python thread)
                     try:
-                        if fast:  # the whole part in native code, without the GIL
-                            try:
-                                native.read_pack(fd, host, a, b, lo, [p for p in packs if p[1] > a and p[0] < b],
-                                                 _STOP_FLAG)
-                            except ValueError as e:
-                                if not str(e).startswith("file ended"):
-                                    raise
-                                raise ValueError(f"{self.reader.path}: {e} up to byte {hi}") from None
-                            return
-                        for s, e, cb, dt, n_cols in packs:
-                            if e <= a or s >= b:
-                                continue
-                            read(a, max(a, s))  # the bytes before this tensor
-                            # slabs of about 4 MiB: read, then packed while in cache
-                            slab = max(1, (4 << 20) // cb) * cb
-                            a = max(a, s)
-                            while a < min(e, b):
-                                z = min(a + slab, e, b)
-                                read(a, z)  # (raises when the interpreter exits)
-                                native.pack_x16(dt, host[a:z], (z - a) // cb * 16, n_cols)
-                                a = z
-                        read(a, b)
+                        native.read_pack(fd, host, a, b, lo, packs, _STOP_FLAG)
+                    except ValueError as e:
+                        errors.append(ValueError(f"{self.reader.path}: {e}"))
                     except BaseException as e:
                         errors.append(e)
 
