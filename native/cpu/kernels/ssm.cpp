@@ -399,11 +399,18 @@ void cpu_ssm_conv(const ComputeParams& p, Node& dst, const Node* const* src) {
   zero_uncovered(p, seqs, c.y, c.T, c.C);
   const ConvItemFn item = conv_item_for(p.isa);
   const int64_t n_cb = (c.C + kConvBlock - 1) / kConvBlock;
-  for (int64_t it = p.ith; it < n_seg * n_cb; it += p.nth) {  // strided: long and short segments mix
-    const Seg s = seg_at(seqs, it / n_cb);
-    if (s.n == 0) continue;
-    const int64_t c0 = (it % n_cb) * kConvBlock;
-    item(c, s, c0, std::min(kConvBlock, c.C - c0), scr);
+  // Items (segment, channel block) from the thread's own range, then the rest of the others'
+  // (WorkRanges): a thread that reaches this op late does not hold the others at the barrier.
+  // Items are cheap (64 channels of a decoded token), so they are taken about 8 per share.
+  const int64_t n_items = n_seg * n_cb;
+  WorkRanges wr(p.ith, p.nth, p.ranges, n_items, n_items / (8 * (int64_t)p.nth));
+  for (int64_t b, e; wr.next(b, e);) {
+    for (int64_t it = b; it < e; ++it) {
+      const Seg s = seg_at(seqs, it / n_cb);
+      if (s.n == 0) continue;
+      const int64_t c0 = (it % n_cb) * kConvBlock;
+      item(c, s, c0, std::min(kConvBlock, c.C - c0), scr);
+    }
   }
 }
 
@@ -449,12 +456,16 @@ void cpu_gated_delta_net(const ComputeParams& p, Node& dst, const Node* const* s
 
   zero_uncovered(p, seqs, c.o, c.T, c.Hv * c.S);
   const GdnItemFn item = gdn_item_for(p.isa);
-  // Items (segment, head) are dealt to the threads in turn, so a long segment's heads spread over
-  // all of them (its items cost n tokens each) and a thread's share stays balanced.
-  for (int64_t it = p.ith; it < n_seg * c.Hv; it += p.nth) {
-    const Seg s = seg_at(seqs, it / c.Hv);
-    if (s.n == 0) continue;
-    item(c, s, it % c.Hv, L, scr);
+  // Items (segment, head), one at a time from the thread's own range, then from the far end of
+  // the others' (WorkRanges): a long segment's items (n tokens each) and a thread that reaches
+  // this op late are both balanced by taking over the rest of another thread's items.
+  WorkRanges wr(p.ith, p.nth, p.ranges, n_seg * c.Hv, 1);
+  for (int64_t b, e; wr.next(b, e);) {
+    for (int64_t it = b; it < e; ++it) {
+      const Seg s = seg_at(seqs, it / c.Hv);
+      if (s.n == 0) continue;
+      item(c, s, it % c.Hv, L, scr);
+    }
   }
 }
 
