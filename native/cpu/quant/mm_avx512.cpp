@@ -542,13 +542,21 @@ PF_AVX512 PF_INLINE __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// vpdpbusd of w with the dword at p broadcast, as one instruction with an embedded {1to16}
+// memory operand: given _mm512_set1_epi32 of a loaded dword, GCC 12 emits a separate
+// vpbroadcastd for every vpdpbusd, an extra vector op per dot product.
+PF_AVX512 PF_INLINE __m512i dpbusd_b4(__m512i z, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(z) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return z;
+}
+
 // One decoded block (eight weight vectors w) against one activation row's block x: the integer
 // sums as two chains of four vpdpbusd (from z0 / z1), then the float stage quant.h fixes, into
 // acc (mi: the row's meta index of the block). Every pass that goes row by row uses these two.
 PF_AVX512 PF_INLINE void xt_block_dots(const __m512i* w, const int8_t* x, __m512i& z0, __m512i& z1) {
   for (int g = 0; g < 4; ++g) {
-    z0 = _mm512_dpbusd_epi32(z0, w[g], bcast4(x + 4 * g));
-    z1 = _mm512_dpbusd_epi32(z1, w[g + 4], bcast4(x + 16 + 4 * g));
+    z0 = dpbusd_b4(z0, w[g], x + 4 * g);
+    z1 = dpbusd_b4(z1, w[g + 4], x + 16 + 4 * g);
   }
 }
 template <DType WT>
@@ -680,8 +688,8 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
           __m512i z0 = _mm512_set1_epi32(xb.o0[mi - xb.obase]);
           __m512i z1 = _mm512_set1_epi32(xb.o1[mi - xb.obase]);
           for (int g = 0; g < 4; ++g) {
-            z0 = _mm512_dpbusd_epi32(z0, wb[g], bcast4(x + 4 * g));
-            z1 = _mm512_dpbusd_epi32(z1, wb[g + 4], bcast4(x + 16 + 4 * g));
+            z0 = dpbusd_b4(z0, wb[g], x + 4 * g);
+            z1 = dpbusd_b4(z1, wb[g + 4], x + 16 + 4 * g);
           }
           const __m512 r = _mm512_fmadd_ps(sl, _mm512_cvtepi32_ps(z0), _mm512_mul_ps(sh, _mm512_cvtepi32_ps(z1)));
           acc[i] = _mm512_fmadd_ps(dxw, r, acc[i]);
@@ -699,7 +707,7 @@ PF_AVX512 void xt_pass(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
         }
         for (int g = 0; g < 8; ++g)
           for (int i = 0; i < RM; ++i)
-            z[i][g % NC] = _mm512_dpbusd_epi32(z[i][g % NC], wb[g], bcast4(xq[i] + b * QK + 4 * g));
+            z[i][g % NC] = dpbusd_b4(z[i][g % NC], wb[g], xq[i] + b * QK + 4 * g);
         for (int i = 0; i < RM; ++i) {
           const size_t mi = mo[i] + (size_t)b * 4;
           const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), dw);
@@ -769,10 +777,10 @@ PF_AVX512 void xt_q6k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
         const __m512i w2 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(qa, 4), m4), qh, m30, 0xF8);
         const __m512i w3 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(qb, 4), m4), _mm512_srli_epi32(qh, 2), m30, 0xF8);
         const int k = g >> 2;
-        z[0][k] = _mm512_dpbusd_epi32(z[0][k], w0, bcast4(x + 4 * g));
-        z[1][k] = _mm512_dpbusd_epi32(z[1][k], w1, bcast4(x + QK + 4 * g));
-        z[2][k] = _mm512_dpbusd_epi32(z[2][k], w2, bcast4(x + 2 * QK + 4 * g));
-        z[3][k] = _mm512_dpbusd_epi32(z[3][k], w3, bcast4(x + 3 * QK + 4 * g));
+        z[0][k] = dpbusd_b4(z[0][k], w0, x + 4 * g);
+        z[1][k] = dpbusd_b4(z[1][k], w1, x + QK + 4 * g);
+        z[2][k] = dpbusd_b4(z[2][k], w2, x + 2 * QK + 4 * g);
+        z[3][k] = dpbusd_b4(z[3][k], w3, x + 3 * QK + 4 * g);
       }
       for (int jj = 0; jj < 4; ++jj) {
         const int t = 4 * h + jj;  // block in the super-block
@@ -858,10 +866,10 @@ PF_AVX512 void xt_q4k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
       for (int g = 0; g < 8; g += 2) {
         __m512i q[2];
         ldf2<DType::Q4_K, PK, 16>(c, B, 32 * p + 4 * g, q[0], q[1]);
-        z0 = _mm512_dpbusd_epi32(z0, _mm512_and_si512(q[0], m4), bcast4(x + 4 * g));
-        z1 = _mm512_dpbusd_epi32(z1, _mm512_and_si512(q[0], mf0), bcast4(x + QK + 4 * g));
-        z2 = _mm512_dpbusd_epi32(z2, _mm512_and_si512(q[1], m4), bcast4(x + 4 * g + 4));
-        z3 = _mm512_dpbusd_epi32(z3, _mm512_and_si512(q[1], mf0), bcast4(x + QK + 4 * g + 4));
+        z0 = dpbusd_b4(z0, _mm512_and_si512(q[0], m4), x + 4 * g);
+        z1 = dpbusd_b4(z1, _mm512_and_si512(q[0], mf0), x + QK + 4 * g);
+        z2 = dpbusd_b4(z2, _mm512_and_si512(q[1], m4), x + 4 * g + 4);
+        z3 = dpbusd_b4(z3, _mm512_and_si512(q[1], mf0), x + QK + 4 * g + 4);
       }
       const __m512i ze = _mm512_add_epi32(z0, z2), zo = _mm512_add_epi32(z1, z3);
       k45_pair_out(acc, a, mo, b0, 2 * p, sbt, ze, zo);
