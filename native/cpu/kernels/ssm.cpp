@@ -401,7 +401,8 @@ void cpu_ssm_conv(const ComputeParams& p, Node& dst, const Node* const* src) {
   const int64_t n_cb = (c.C + kConvBlock - 1) / kConvBlock;
   // Items (segment, channel block) from the thread's own range, then the rest of the others'
   // (WorkRanges): a thread that reaches this op late does not hold the others at the barrier.
-  // Items are cheap (64 channels of a decoded token), so they are taken about 8 per share.
+  // A decoded token's items are cheap (64 channels each): they are taken in steps of about an
+  // eighth of a share.
   const int64_t n_items = n_seg * n_cb;
   WorkRanges wr(p.ith, p.nth, p.ranges, n_items, n_items / (8 * (int64_t)p.nth));
   for (int64_t b, e; wr.next(b, e);) {
