@@ -738,16 +738,20 @@ PF_AVX512 PF_INLINE int64_t zero_after(__m512i v) {
   return z;
 }
 
-// The 1-row K-quant kernels: prefetch what c.pf points at for NB blocks from b0 of the chunk
-// (a fixed count, no loop); nothing when c.pf_step is 0. `after` (a zero_after) makes the
-// prefetches wait for the value it was taken from.
+// The one-row kernels' prefetch (into L2): n bytes from byte `at` of what c.pf points at; nothing
+// when c.pf_step is 0. `after` (a zero_after) makes the prefetches wait for the value it was taken
+// from.
+PF_AVX512 PF_INLINE void prefetch_ahead(const QCtx& c, int64_t at, int64_t n, int64_t after) {
+  if (!c.pf_step) return;
+  const char* pf = (const char*)c.pf + after + at;
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+}
+
+// The 1-row K-quant kernels: prefetch_ahead for NB blocks from b0 of the chunk (a fixed count).
 template <DType WT, int NB>
 PF_AVX512 PF_INLINE void prefetch_blocks(const QCtx& c, int64_t b0, int64_t after) {
-  if (!c.pf_step) return;
   constexpr int kBlock = 16 * kSuperBytes<WT> / 8;  // a 32-block's bytes of a packed chunk
-  const char* pf = (const char*)c.pf + after + b0 * kBlock;
-#pragma GCC unroll 32
-  for (int o = 0; o < NB * kBlock; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+  prefetch_ahead(c, b0 * kBlock, NB * kBlock, after);
 }
 
 // Q6_K, one activation row: a half super-block (four blocks) at a time. Its ql bytes hold two
@@ -865,9 +869,9 @@ PF_AVX512 PF_INLINE void k45_pair_out(__m512& acc, const ActQ& a, size_t mo, int
 
 // xt_q4k_row (described above k45_row_tables) is paced like xt_q32_row, a block pair (512 bytes
 // of codes) per step: a step's loads wait for the previous step's sums and its prefetches for its
-// own codes. bench_matmul --cold, 1 thread, AMD EPYC (Zen 5): 31.7-36.1 GB/s free, 36.2-41.2
-// paced; llama-1b Q4_K_M tg64, 1 thread, 6 alternating pairs: 38.4 -> 46.9 t/s (an earlier EPYC
-// host, whose read probe was 26-31 GB/s against this one's 38-42, gave 0.955x).
+// own codes. bench_matmul --cold, 1 thread, AMD EPYC (Zen 5): 31.7-36.1 GB/s free, 36.2-39.3
+// paced; llama-1b Q4_K_M tg64, 1 thread, 6 alternating pairs: 38.4 -> 46.9 t/s (on an earlier,
+// slower EPYC host the same pacing gave 0.955x).
 template <bool PK>
 PF_AVX512 void xt_q4k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   (void)xb;
@@ -961,13 +965,6 @@ PF_AVX512 void xt_q5k_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
   _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
 }
 
-// xt_q32_row's prefetch: n bytes from `at` of what c.pf points at, waiting for `after`'s value.
-PF_AVX512 PF_INLINE void prefetch_q32(const QCtx& c, int64_t at, int64_t n, int64_t after) {
-  if (!c.pf_step) return;
-  const char* pf = (const char*)c.pf + at + after;
-  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
-}
-
 // Packed Q4_0 / Q4_1 / Q8_0, one activation row: two blocks at a time, their four dot chains side
 // by side. Left free, this loop runs far ahead of its data when the weights come from DRAM and
 // streams less than the slower K-quant kernels (Q8_0 18-20 GB/s against Q4_K's 25-29 at one
@@ -999,13 +996,13 @@ PF_AVX512 void xt_q32_row(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t
     __m512i z0 = start(b), z1 = _mm512_setzero_si512(), z2 = start(b + 1), z3 = _mm512_setzero_si512();
     xt_unpack_at<WT>(p, w, dw0, mw0);
     if constexpr (WT == DType::Q8_0) {  // the second block's loads wait for the first one's sums
-      prefetch_q32(c, b * blk, blk, zero_after(w[7]));
+      prefetch_ahead(c, b * blk, blk, zero_after(w[7]));
       xt_block_dots(w, x, z0, z1);
       xt_unpack_at<WT>(p + blk + zero_after(z1), v, dw1, mw1);
-      prefetch_q32(c, (b + 1) * blk, blk, zero_after(v[7]));
+      prefetch_ahead(c, (b + 1) * blk, blk, zero_after(v[7]));
     } else {
       xt_unpack_at<WT>(p + blk, v, dw1, mw1);
-      prefetch_q32(c, b * blk, 2 * blk, zero_after(v[7]));
+      prefetch_ahead(c, b * blk, 2 * blk, zero_after(v[7]));
       xt_block_dots(w, x, z0, z1);
     }
     xt_block_dots(v, x + QK, z2, z3);
