@@ -46,7 +46,11 @@ bool WorkRanges::next(int64_t& b, int64_t& e) {
     std::atomic<uint64_t>& w = ranges_[t];
     uint64_t v = get(t);
     while (lo(v) < hi(v)) {
-      const int64_t take = std::min(step_, hi(v) - lo(v));
+      // Guided steps: a quarter of what is left in one's own range (half of another's), at
+      // most step_, at least one item, so the last takes are single items and a thread that
+      // runs out waits at most about one item for the others.
+      const int64_t left = hi(v) - lo(v);
+      const int64_t take = std::max<int64_t>(1, std::min(step_, victim_ < 0 ? left / 4 : left / 2));
       // own range: from the front (keeps one stream per thread); another's: from the back
       const uint64_t nv = victim_ < 0 ? pack(lo(v) + take, hi(v)) : pack(lo(v), hi(v) - take);
       if (w.compare_exchange_weak(v, nv, std::memory_order_acq_rel)) {
