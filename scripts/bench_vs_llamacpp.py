@@ -14,8 +14,9 @@ passes its own options, e.g. for ik_llama.cpp's run-time repacking:
     python scripts/bench_vs_llamacpp.py --llama-bin ~/ik_llama.cpp/build/bin --engine ik_llama.cpp \
         --llama-args="-rtr 1" --startup-runs 0 -m bench-models/llama-1b.Q4_K_M.gguf
 
-Measured per file: pp512 and tg128 (llama-bench vs `pyfast bench`'s functions), generation with
-1 thread against the measured read bandwidth, peak RSS while generating 64 tokens and the time
+Measured per file: pp512 and tg128 (llama-bench vs `pyfast bench`'s functions) and generation
+with 1 thread, each engine's generation set against the read bandwidth probed right before it
+(its share of the bound; the ratio of the two shares is the speedup at equal bandwidth), peak RSS while generating 64 tokens and the time
 from loading the model to the first generated token (llama-simple vs pyfast.LLM; medians of
 --startup-runs alternating starts, the file read into the page cache before each, pyfast's
 bytecode compiled once as pip installs it; --startup-only measures just that).
@@ -186,39 +187,54 @@ def main() -> int:
             continue
         # bytes one token reads (used experts only, no embedding table unless it is the output)
         size = decode_read_bytes(Model(m, mmap=True))
-        bws, bwt = [], []
         ll: dict[str, list[float]] = {}
         pf: dict[str, list[float]] = {}
-        ll1, pf1 = [], []
-        for _ in range(a.rounds):
-            for k, v in llama_bench(a.llama_bin, m, a.threads, 512, 128, a.reps, extra_args).items():
-                ll.setdefault(k, []).append(v)
-            for k, v in pyfast_bench(m, a.threads, 512, 128, a.reps).items():
-                pf.setdefault(k, []).append(v)
-            bws.append(read_bandwidth_gbs(1))  # the host's bandwidth moves: probed every round
-            bwt.append(read_bandwidth_gbs(a.threads))
-            ll1.append(llama_bench(a.llama_bin, m, 1, 0, 128, a.reps, extra_args)["tg128"])
-            pf1.append(pyfast_bench(m, 1, 0, 128, a.reps)["tg128"])
-        for k in ("pp512", "tg128"):
-            l, p = statistics.median(ll[k]), statistics.median(pf[k])
-            # the ratio of each round (the two engines back to back), then their median: the
-            # host's bandwidth moves between rounds, and moves a memory-bound engine more
-            rr = [y / x for x, y in zip(ll[k], pf[k])]
-            lines.append(f"| {name} | {k} | {a.threads} | {l:.1f} | {p:.1f} | {statistics.median(rr):.2f}x "
-                         f"| {', '.join(f'{r:.2f}' for r in rr)} |")
-        # generation against the bound at this thread count: when llama.cpp itself reaches most of
-        # it, no engine can be much faster
-        bt = statistics.median(bwt) * 1e9 / size
-        lines.append(f"| {name} | tg128 bound, {a.threads} threads | | {statistics.median(bwt):.1f} GB/s, "
-                     f"{bt:.0f} t/s | reached: {eng} {100 * statistics.median(ll['tg128']) / bt:.0f}%, "
-                     f"pyfast {100 * statistics.median(pf['tg128']) / bt:.0f}% | | |")
-        bw1 = statistics.median(bws)
-        bound = bw1 * 1e9 / size
-        l1, p1 = statistics.median(ll1), statistics.median(pf1)
-        r1 = [y / x for x, y in zip(ll1, pf1)]
-        extra.append(f"| {name} | pyfast {p1:.1f} / {eng} {l1:.1f} t/s | {statistics.median(r1):.2f}x "
-                     f"({', '.join(f'{r:.2f}' for r in r1)}) | {bw1:.1f} GB/s | {bound:.0f} t/s "
-                     f"| {100 * p1 / bound:.0f}% | {100 * l1 / bound:.0f}% |")
+        # generation, per thread count: each engine's t/s and the read bandwidth probed right
+        # before it (the host's bandwidth moves by tens of percent within a minute)
+        gen: dict[int, dict[str, list[tuple[float, float]]]] = {nt: {"ll": [], "pf": []} for nt in (a.threads, 1)}
+
+        def tg(engine: str, nt: int) -> None:
+            bw = read_bandwidth_gbs(nt)
+            if engine == "ll":
+                t = llama_bench(a.llama_bin, m, nt, 0, 128, a.reps, extra_args)["tg128"]
+            else:
+                t = pyfast_bench(m, nt, 0, 128, a.reps)["tg128"]
+            gen[nt][engine].append((t, bw))
+
+        for rnd in range(a.rounds):
+            # the engine that goes first alternates from round to round
+            order = ("ll", "pf") if rnd % 2 == 0 else ("pf", "ll")
+            for e in order:
+                src = llama_bench(a.llama_bin, m, a.threads, 512, 0, a.reps, extra_args) if e == "ll" else \
+                    pyfast_bench(m, a.threads, 512, 0, a.reps)
+                (ll if e == "ll" else pf).setdefault("pp512", []).append(src["pp512"])
+            for nt in (a.threads, 1):
+                for e in order:
+                    tg(e, nt)
+        med = statistics.median
+        rr = [y / x for x, y in zip(ll["pp512"], pf["pp512"])]
+        lines.append(f"| {name} | pp512 | {a.threads} | {med(ll['pp512']):.1f} | {med(pf['pp512']):.1f} "
+                     f"| {med(rr):.2f}x | {', '.join(f'{r:.2f}' for r in rr)} |")
+        for nt in (a.threads, 1):
+            g = gen[nt]
+            lt, pt = [t for t, _ in g["ll"]], [t for t, _ in g["pf"]]
+            # each round's ratio (the two engines back to back), then their median
+            rr = [y / x for x, y in zip(lt, pt)]
+            # each engine's share of the bound at the bandwidth probed just before it
+            fl = [t * size / (bw * 1e9) for t, bw in g["ll"]]
+            fp = [t * size / (bw * 1e9) for t, bw in g["pf"]]
+            bw = med([b for _, b in g["ll"] + g["pf"]])
+            if nt == a.threads:
+                lines.append(f"| {name} | tg128 | {nt} | {med(lt):.1f} | {med(pt):.1f} | {med(rr):.2f}x "
+                             f"| {', '.join(f'{r:.2f}' for r in rr)} |")
+                # when llama.cpp itself reaches most of the bound, no engine can be much faster
+                lines.append(f"| {name} | tg128 bound, {nt} threads | | {bw:.1f} GB/s, {bw * 1e9 / size:.0f} t/s "
+                             f"| reached: {eng} {100 * med(fl):.0f}%, pyfast {100 * med(fp):.0f}% "
+                             f"| {med(fp) / med(fl):.2f}x at equal bandwidth | |")
+            else:
+                extra.append(f"| {name} | pyfast {med(pt):.1f} / {eng} {med(lt):.1f} t/s | {med(rr):.2f}x "
+                             f"({', '.join(f'{r:.2f}' for r in rr)}) | {bw:.1f} GB/s | {bw * 1e9 / size:.0f} t/s "
+                             f"| {100 * med(fp):.0f}% | {100 * med(fl):.0f}% |")
         if a.startup_runs:
             lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs)
             start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "

@@ -9,8 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A llama-bench that logs its arguments and answers from a table: the 2-thread pp512 / tg128 run of
-# round i (counted in a file) reports PP[i] / TG[i]; a 1-thread run reports TG1.
+# A llama-bench that logs its arguments and answers from a table: the 2-thread pp512 run of round
+# i (counted in a file) reports PP[i], its tg128 run TG[i]; a 1-thread run reports TG1.
 FAKE = r'''#!{python}
 import json, sys
 from pathlib import Path
@@ -23,11 +23,10 @@ rows = []
 if t == 1:
     rows.append({{"n_prompt": 0, "n_gen": n, "avg_ts": {tg1}}})
 else:
-    c = here / "round"
+    c = here / ("round_pp" if p else "round_tg")
     i = int(c.read_text()) if c.exists() else 0
     c.write_text(str(i + 1))
-    rows.append({{"n_prompt": p, "n_gen": 0, "avg_ts": {pp}[i]}})
-    rows.append({{"n_prompt": 0, "n_gen": n, "avg_ts": {tg}[i]}})
+    rows.append({{"n_prompt": p, "n_gen": 0, "avg_ts": {pp}[i]}} if p else {{"n_prompt": 0, "n_gen": n, "avg_ts": {tg}[i]}})
 print(json.dumps(rows))
 '''
 
@@ -51,18 +50,22 @@ def run(script, monkeypatch, tmp_path, args):
     exe = bindir / "llama-bench"
     exe.write_text(FAKE.format(python=sys.executable, pp=[100.0, 200.0], tg=[20.0, 40.0], tg1=10.0))
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-    calls = {"pf": 0}
+    calls = {"pp": 0, "tg": 0}
 
     def fake_pyfast(model, threads, pp, tg, reps):
+        assert (pp == 0) != (tg == 0)  # prompt and generation are separate runs
         if threads == 1:
             return {"tg128": 15.0}
-        i = calls["pf"]
-        calls["pf"] += 1
-        return {"pp512": [250.0, 300.0][i], "tg128": [30.0, 44.0][i]}
+        k = "pp" if pp else "tg"
+        i = calls[k]
+        calls[k] += 1
+        return {"pp512": [250.0, 300.0][i]} if pp else {"tg128": [30.0, 48.0][i]}
 
+    # probes in call order; round 0 runs llama.cpp first, round 1 pyfast (2 threads, then 1)
+    probes = iter([30.0, 40.0, 30.0, 30.0, 40.0, 30.0, 30.0, 30.0])
     monkeypatch.setattr(script, "pyfast_bench", fake_pyfast)
     monkeypatch.setattr(pyfast.bench, "decode_read_bytes", lambda m: 1e9)
-    monkeypatch.setattr(pyfast.bench, "read_bandwidth_gbs", lambda nth: 30.0)
+    monkeypatch.setattr(pyfast.bench, "read_bandwidth_gbs", lambda nth: next(probes))
     monkeypatch.setattr(pyfast.models, "Model", lambda *a, **k: None)
     out = tmp_path / "out.md"
     monkeypatch.setattr(sys, "argv", ["bench_vs_llamacpp.py", "--llama-bin", str(bindir), "-m", str(tmp_path / "x.gguf"),
@@ -75,13 +78,17 @@ def run(script, monkeypatch, tmp_path, args):
 def test_ratios_engine_name_and_extra_args(script, monkeypatch, tmp_path):
     text, logged = run(script, monkeypatch, tmp_path,
                        ["--engine", "ik_llama.cpp", "--llama-args=-rtr 1", "--startup-runs", "0"])
-    # every llama-bench call carries the extra arguments, 2 rounds x (2 threads, 1 thread)
-    assert len(logged) == 4 and all(c[-2:] == ["-rtr", "1"] for c in logged)
+    # every llama-bench call carries the extra arguments, 2 rounds x (pp512, tg128, 1-thread tg128)
+    assert len(logged) == 6 and all(c[-2:] == ["-rtr", "1"] for c in logged)
     assert "| ik_llama.cpp t/s |" in text and "reached (ik_llama.cpp)" in text
     # pp512: rounds 250/100 and 300/200 -> 2.50, 1.50; the median of the rounds' ratios is 2.00
     # (the ratio of the medians would be 275 / 150 = 1.83)
     assert "| x.gguf | pp512 | 2 | 150.0 | 275.0 | 2.00x | 2.50, 1.50 |" in text
-    assert "| x.gguf | tg128 | 2 | 30.0 | 37.0 | 1.30x | 1.50, 1.10 |" in text
+    assert "| x.gguf | tg128 | 2 | 30.0 | 39.0 | 1.35x | 1.50, 1.20 |" in text
+    # shares of the bound, each at its own probe: llama.cpp 20/30 and 40/30 (median 100%), pyfast
+    # 30/40 and 48/40 (median 97.5%); the 2-thread probes' median is 35 GB/s
+    assert "| x.gguf | tg128 bound, 2 threads | | 35.0 GB/s, 35 t/s | reached: ik_llama.cpp 100%, pyfast 98% " \
+           "| 0.97x at equal bandwidth | |" in text
     # 1 thread: 15 / 10 each round; bound 30 GB/s / 1 GB per token = 30 t/s
     assert "| x.gguf | pyfast 15.0 / ik_llama.cpp 10.0 t/s | 1.50x (1.50, 1.50) | 30.0 GB/s | 30 t/s | 50% | 33% |" in text
     assert "load -> first token" not in text
