@@ -47,8 +47,8 @@ bool WorkRanges::next(int64_t& b, int64_t& e) {
     uint64_t v = get(t);
     while (lo(v) < hi(v)) {
       // Guided steps: a quarter of what is left in one's own range (half of another's), at
-      // most step_, at least one item, so the last takes are single items and a thread that
-      // runs out waits at most about one item for the others.
+      // most step_, at least one item. The takes shrink toward a range's end, so less of it is
+      // held by a thread that is still working when another runs out of items.
       const int64_t left = hi(v) - lo(v);
       const int64_t take = std::max<int64_t>(1, std::min(step_, victim_ < 0 ? left / 4 : left / 2));
       // own range: from the front (keeps one stream per thread); another's: from the back

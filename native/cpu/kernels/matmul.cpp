@@ -167,9 +167,10 @@ void cpu_matmul_multi(const ComputeParams& p, Node* const* dsts, const Node* con
   mm::QJob j;
   j.a = a;
   j.scratch = reinterpret_cast<float*>(base + L.scratch + L.scratch_per_thread * (size_t)p.ith);
-  // Items in steps of about 1/16 of a share; a thread that finishes its share early takes the
-  // rest of a slower one (WorkRanges), whether the rows were quantized per thread (few rows) or
-  // shared after the barrier. Which thread computes an item does not change its result.
+  // Items in steps of at most about 1/16 of a share, shrinking to single items at its end; a
+  // thread that finishes its share early takes the rest of a slower one (WorkRanges), whether the
+  // rows were quantized per thread (few rows) or shared after the barrier. Which thread computes
+  // an item does not change its result.
   const int64_t n_items = n_nc * n_mc;
   const int64_t step = n_items / ((int64_t)p.nth * 16) + 1;
   WorkRanges wr(p.ith, p.nth, p.ranges, n_items, step);

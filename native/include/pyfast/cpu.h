@@ -39,11 +39,12 @@ struct ComputeParams {
 };
 
 // Work items [0, n) of one node, split into nth contiguous ranges (split_range); a thread takes
-// items from the front of its own range in steps, then from the back of the others', so a thread
-// that streams its weights faster (or started earlier) takes over the rest of a slower one
-// instead of waiting for it. Each item is taken exactly once; which thread computes an item does
-// not change its value. Without p.ranges (one thread, or a caller that does not provide them)
-// share ith is exactly its static range.
+// items from the front of its own range in steps (a quarter of what is left, at most `step`), then
+// from the back of the others' (half of what is left, at most `step`). So a thread that streams
+// its weights faster (or started earlier) takes over the rest of a slower one instead of waiting
+// for it, and the last takes are single items. Each item is taken exactly once; which thread
+// computes an item does not change its value. Without p.ranges (one thread, or a caller that does
+// not provide them) share ith is exactly its static range.
 class WorkRanges {
  public:
   // ranges: ComputeParams::ranges of the node, or null for the static split.
