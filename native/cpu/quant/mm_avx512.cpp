@@ -1150,9 +1150,9 @@ PF_AVX512 void qgemm_t(const QJob& j) {
     c.pk = j.w + j.n0 * j.w_stride;
     // What the kernels prefetch while they read block b: the block at the same place of the chunk
     // after next (into L2), or, for one activation row, the bytes 12 KiB ahead of the block (the
-    // packed chunks of a matmul are one forward stream; non-temporal, see prefetch_ahead). 1B-class files, 2 threads, against the
-    // chunk after next: tg 1.03-1.10x (Q4_K_M 1.10, Q6_K 1.06, Q4_0 1.05, Q8_0 1.03); 4 KiB ahead
-    // was 0.91x, 32 KiB 1.00x.
+    // packed chunks of a matmul are one forward stream; non-temporal, see prefetch_ahead).
+    // 1B-class files, 2 threads, against the chunk after next: tg 1.03-1.10x (Q4_K_M 1.10, Q6_K
+    // 1.06, Q4_0 1.05, Q8_0 1.03); 4 KiB ahead was 0.91x, 32 KiB 1.00x.
     constexpr int64_t kAheadBytes = 12 << 10;
     c.pf = j.m1 - j.m0 == 1 ? c.pk + kAheadBytes : c.pk + 32 * j.w_stride;
     c.pf_step = 16 * (kIsK<WT> ? kSuperBytes<WT> / 8 : c.bs);  // the chunk's bytes per 32-block
