@@ -38,7 +38,8 @@ uint8_t* alloc_aligned(size_t n) {
 // summed over threads, and the time threads waited for each other between groups; printed to
 // stderr when the process exits. PYFAST_PROFILE=2 also lists the matmuls (and matmul_id, by the
 // experts it selected) by weight type, shape and rows, with the weight bytes read per second of
-// thread time. Off, it costs one predictable branch per share.
+// thread time, and the groups of nodes (see Plan::run) after which threads waited longest.
+// Off, it costs one predictable branch per share.
 struct OpProfile {
   bool on = false, detail = false;
   std::atomic<uint64_t> ns[(int)Op::count + 1] = {}, calls[(int)Op::count + 1] = {};
@@ -47,6 +48,7 @@ struct OpProfile {
   };
   std::mutex mu;
   std::map<std::string, MatmulStat> matmuls;
+  std::map<std::string, MatmulStat> waits;  // by the ops of the group waited for (ns, runs = waits)
   OpProfile() {
     const char* e = std::getenv("PYFAST_PROFILE");
     on = e && *e && std::strcmp(e, "0") != 0;
@@ -61,6 +63,18 @@ struct OpProfile {
         const MatmulStat& m = kv.second;
         std::fprintf(stderr, "%-44s %8llu %10.1f %10.2f %14.2f\n", kv.first.c_str(), (unsigned long long)m.runs,
                      m.ns / 1e6, m.ns / 1e3 / (double)(m.runs ? m.runs : 1), m.ns ? (double)m.bytes / (double)m.ns : 0.0);
+      }
+    }
+    if (detail && !waits.empty()) {
+      std::vector<std::pair<uint64_t, const std::string*>> by_time;
+      for (const auto& kv : waits) by_time.emplace_back(kv.second.ns, &kv.first);
+      std::sort(by_time.begin(), by_time.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::fprintf(stderr, "pyfast wait profile (thread time waiting for a group's last share, longest first):\n%-60s %8s %10s %10s\n",
+                   "group (ops; * fused matmuls)", "waits", "ms", "us/wait");
+      for (size_t i = 0; i < by_time.size() && i < 12; ++i) {
+        const MatmulStat& w = waits[*by_time[i].second];
+        std::fprintf(stderr, "%-60s %8llu %10.1f %10.2f\n", by_time[i].second->c_str(), (unsigned long long)w.runs,
+                     w.ns / 1e6, w.ns / 1e3 / (double)(w.runs ? w.runs : 1));
       }
     }
     uint64_t total = 0;
@@ -122,6 +136,12 @@ struct OpProfile {
     std::snprintf(key, sizeof key, "%s%s %lld x %lld (selected experts), %lld", dtype_name(w.dtype), w.packed ? " x16" : "",
                   (long long)N, (long long)K, (long long)rows);
     record(key, first, bytes, t);
+  }
+  void add_wait(const std::string& group, uint64_t t) {  // (Plan::group_ops_)
+    std::lock_guard<std::mutex> lk(mu);
+    MatmulStat& w = waits[group];
+    w.ns += t;
+    w.runs += 1;
   }
   void record(const char* key, bool first, uint64_t bytes, uint64_t t) {
     std::lock_guard<std::mutex> lk(mu);
@@ -553,6 +573,15 @@ void Plan::run() {
   std::exception_ptr err;
   std::mutex err_mu;
   std::atomic<uint32_t> done{0};  // shares finished, all nodes so far
+  if (g_profile.detail && nth > 1 && group_ops_.empty()) {
+    group_ops_.resize(n_exec);
+    for (size_t k0 = 0; k0 < n_exec; k0 = sc.group_end[k0])
+      for (size_t k = k0; k < sc.group_end[k0]; ++k) {
+        if (k > k0) group_ops_[k0] += ' ';
+        group_ops_[k0] += op_name(nodes[exec_[k]].op);
+        if (!multi_[k].empty()) group_ops_[k0] += '*';
+      }
+  }
   static std::atomic<uint64_t> g_runs{0};
   const uint64_t run_id = g_runs.fetch_add(1, std::memory_order_relaxed) + 1;
   auto body = [&](int ith) {
@@ -640,7 +669,9 @@ void Plan::run() {
         if (g_profile.on) {
           const uint64_t t0 = OpProfile::now();
           pool_->wait_until(done, target);
-          g_profile.add((int)Op::count, OpProfile::now() - t0);
+          const uint64_t t = OpProfile::now() - t0;
+          g_profile.add((int)Op::count, t);
+          if (g_profile.detail) g_profile.add_wait(group_ops_[k0], t);
         } else {
           pool_->wait_until(done, target);
         }

@@ -153,3 +153,29 @@ def test_routing_ops_rows_independent_of_batch():
         alone = run(logits[t:t + 1], 1)
         for a, b, what in zip(alone, full, ("ids", "weights", "combined")):
             _same(a[0], b[t], f"{what} of token {t}")
+
+
+@pytest.mark.parametrize("dt", [Q8_0, N.DType.Q4_K], ids=dname)
+def test_matmul_id_small_batch_repeated_runs_on_three_threads(dt):
+    """Decode-sized batches take their (expert, 16 weight rows) items from per-thread ranges that
+    the other threads steal from, so which thread computes an item changes from run to run: each
+    of many runs equals the one-thread result bit for bit (x 2-D and 3-D; the input alternates
+    between two activations, so an item skipped or left half-done in a run shows)."""
+    K = 512
+    rng = np.random.default_rng(31)
+    E, N_ = 9, 160  # 10 items of 16 rows per selected expert
+    w = encode(rng.standard_normal((E, N_, K)) * 0.2, dt)
+    for T, k, three_d in ((1, 4, False), (2, 3, True)):
+        ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+        xs = [rng.standard_normal((T, k, K) if three_d else (T, K)).astype(np.float32) for _ in range(2)]
+        refs = [run_matmul_id(x, w, ids, dt, ISAS[-1], 1) for x in xs]
+        g = N.Graph()
+        we = g.external("w", dt, [E, N_, K], w)
+        g.output(g.matmul_id(g.input("x", F32, list(xs[0].shape)), we, g.input("ids", I32, list(ids.shape))), "y")
+        p = N.Plan(g, pool(3))
+        p.set_input("ids", ids)
+        with using_isa(ISAS[-1]):
+            for r in range(60):
+                p.set_input("x", xs[r % 2])
+                p.run()
+                _same(p.output("y"), refs[r % 2], f"{dname(dt)} T={T} run {r}")

@@ -95,3 +95,25 @@ def test_profile_detail_counts_selected_experts():
     assert runs == 40
     per_run = gbs * ms * 1e6 / runs
     assert abs(per_run / (2 * 256 * 1024 * 4) - 1) < 0.1, (per_run, r.stderr)
+
+
+def test_profile_detail_names_the_groups_waited_for():
+    # PYFAST_PROFILE=2 with 3 threads: every wait is counted against the group of nodes it waited
+    # for, named by its ops; the per-group waits add up to the (wait) row's count.
+    out, err = _profile(3, runs=5, env_value="2")
+    assert out.startswith("ok")
+    lines = err.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("pyfast wait profile"))
+    groups = {}
+    for ln in lines[at + 2:]:
+        m = re.match(r"^(.+?)\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", ln)
+        if not m:
+            break
+        groups[m.group(1)] = int(m.group(2))
+    # the two matmuls of x share a group (no dependency between them), then scale, add, silu
+    assert set(groups) == {"matmul matmul", "scale", "add", "silu"}, err
+    assert all(n == 5 * 3 for n in groups.values()), groups
+    assert sum(groups.values()) == _table(err)["(wait)"], err
+    # one thread: nothing to wait for, no table
+    _, err1 = _profile(1, runs=2, env_value="2")
+    assert "pyfast wait profile" not in err1

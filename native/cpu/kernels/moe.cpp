@@ -9,8 +9,9 @@
 // (t, j) pairs are sorted by expert (counting sort, stable in (t, j) order) and their activation
 // rows copied into one buffer where each expert's rows are contiguous (groups start on a multiple
 // of 4 rows, so the kernels' 4-row tiles stay aligned). Work items are (expert, 16 weight rows,
-// up to 64 of its rows), expert-major, split over threads by an estimated cost; each item's
-// results go to a small per-thread tile and from there to the pairs' output rows.
+// up to 64 of its rows), expert-major, split over threads by an estimated cost (small batches:
+// one equal range per thread, which the others steal from once theirs is done; see phase 3);
+// each item's results go to a small per-thread tile and from there to the pairs' output rows.
 //
 //   phase 1: every thread checks all ids (a bad id throws on every thread, before any barrier);
 //            thread 0 builds the routing tables; quantized weights: each thread quantizes its
@@ -400,37 +401,62 @@ void cpu_matmul_id(const ComputeParams& p, Node& dst, const Node* const* src) {
     fj.y = yv;
   }
   float* out = reinterpret_cast<float*>(dst.data);
+  // One work item: weight rows n0 .. n0 + 16 of expert e against its rows m0 .. m1.
+  auto item = [&](int64_t e, int64_t n0, int64_t m0, int64_t m1) {
+    const uint8_t* we = w.data + e * w.shape.strides[0];
+    const int64_t nv = std::min(kTileN, N - n0);
+    // Weight rows n0.. are addressed from their own base, so the tile holds columns 0..nv-1.
+    if (L.quant) {
+      qj.w = we + n0 * qj.w_stride;
+      qj.n0 = 0;
+      qj.n1 = nv;
+      qj.m0 = m0;
+      qj.m1 = m1;
+      mm::qgemm_run(isa, qj, K);
+    } else {
+      fj.w = we + n0 * fj.w_stride;
+      fj.n0 = 0;
+      fj.n1 = nv;
+      fj.m0 = m0;
+      fj.m1 = m1;
+      fgemm(fj);
+    }
+    for (int64_t m = m0; m < m1; ++m)
+      std::memcpy(out + pair[m] * N + n0, tile + (m % kTileM) * kTileN * 4, (size_t)nv * 4);
+  };
+  if (L.priv && p.ranges && p.nth > 1) {
+    // Small batches (no barriers, so this share may run on any thread): every expert has at
+    // most kPrivPairs <= kTileM rows, so the items are (selected expert, 16 weight rows) of
+    // about equal cost, taken in steps from per-thread ranges (WorkRanges): a thread whose
+    // core or share of the memory bandwidth is slower is relieved by the others instead of
+    // holding up the group. The initial ranges are the expert-major shares the cost split
+    // below would give.
+    static_assert(kPrivPairs <= kTileM, "one item of rows per expert");
+    int64_t sel[kPrivPairs];
+    int64_t n_sel = 0;
+    for (int64_t e = 0; e < E; ++e)
+      if (cnt[e]) sel[n_sel++] = e;
+    const int64_t n_items = n_sel * n_nc;
+    WorkRanges wr(p.ith, p.nth, p.ranges, n_items, n_items / ((int64_t)p.nth * 16) + 1);
+    int64_t it0, it1;
+    while (wr.next(it0, it1))
+      for (int64_t it = it0; it < it1; ++it) {
+        const int64_t e = sel[it / n_nc];
+        item(e, (it % n_nc) * kTileN, off[e], off[e] + cnt[e]);
+      }
+    return;
+  }
   int64_t acc = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t c = cnt[e];
     if (!c) continue;
-    const uint8_t* we = w.data + e * w.shape.strides[0];
     for (int64_t nc = 0; nc < n_nc; ++nc) {
-      const int64_t n0 = nc * kTileN, nv = std::min(kTileN, N - n0);
       for (int64_t m0 = off[e]; m0 < off[e] + c; m0 += kTileM) {
         const int64_t m1 = std::min(m0 + kTileM, off[e] + c);
         const int64_t cost = kItemCost + (m1 - m0);
         const int64_t owner = std::min<int64_t>(p.nth - 1, (2 * acc + cost) * p.nth / (2 * total));
         acc += cost;
-        if (owner != p.ith) continue;
-        // Weight rows n0.. are addressed from their own base, so the tile holds columns 0..nv-1.
-        if (L.quant) {
-          qj.w = we + n0 * qj.w_stride;
-          qj.n0 = 0;
-          qj.n1 = nv;
-          qj.m0 = m0;
-          qj.m1 = m1;
-          mm::qgemm_run(isa, qj, K);
-        } else {
-          fj.w = we + n0 * fj.w_stride;
-          fj.n0 = 0;
-          fj.n1 = nv;
-          fj.m0 = m0;
-          fj.m1 = m1;
-          fgemm(fj);
-        }
-        for (int64_t m = m0; m < m1; ++m)
-          std::memcpy(out + pair[m] * N + n0, tile + (m % kTileM) * kTileN * 4, (size_t)nv * 4);
+        if (owner == p.ith) item(e, nc * kTileN, m0, m1);
       }
     }
   }

@@ -72,6 +72,7 @@ class Plan {
   std::unique_ptr<DevicePlan> dev_;  // set when compiled for a device other than the CPU
   std::vector<int> exec_;  // node ids with a kernel, in order
   std::vector<std::vector<int>> multi_;  // per exec_ entry: the matmuls it runs as one (or empty)
+  std::vector<std::string> group_ops_;    // PYFAST_PROFILE=2: per group start, its ops (wait profile)
   static constexpr int kMaxMulti = 8;
   uint8_t* arena_ = nullptr;
   std::shared_ptr<uint8_t> shared_arena_;  // arena_ from an ArenaPool (not freed by the plan)
