@@ -893,16 +893,17 @@ PF_AVX512 PF_INLINE void k45_pair_out(__m512& acc, const ActQ& a, size_t mo, int
   }
 }
 
-// xt_q4k_row (described above k45_row_tables) is paced like xt_q32_row, a block pair (512 bytes
-// of codes) per step: a step's loads wait for the previous step's sums and its prefetches for its
-// own codes. bench_matmul --cold, 1 thread, AMD EPYC (Zen 5): 31.7-36.1 GB/s free, 36.2-39.3
-// paced; llama-1b Q4_K_M tg64, 1 thread, 6 alternating pairs: 38.4 -> 46.9 t/s (on an earlier,
-// slower EPYC host the same pacing gave 0.955x).
+// xt_q4k_row (described above k45_row_tables) is paced by its loads, as xt_q6k_row: the loads
+// of each half block pair (256 bytes of codes) wait for the previous half's last load, and each
+// half prefetches one block's bytes (288) 12 KiB ahead once that load has arrived. bench_matmul
+// --cold, AMD EPYC (Zen 5), against pacing by block pair on its sums with one 576-byte prefetch
+// per pair (alternating per batch in one process): 1.06-1.14x at 2 threads, 0.98-1.02x at 1,
+// from cache 1.01x; pacing by pair on its loads 0.89-0.92x at 1 thread (the sums pacing had
+// given 36.2-39.3 GB/s against 31.7-36.1 unpaced there).
 template <bool PK>
 PF_AVX512 void xt_q4k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   (void)xb;
   QCtx c = c0;  // c.pk carries the pacing zero
-  int64_t pace = 0;
   const int64_t nb = c.nb;
   const int8_t* xq = a.q + m * a.K;
   const size_t mo = a.meta(m, 0);
@@ -913,21 +914,23 @@ PF_AVX512 void xt_q4k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_
     k45_row_tables<DType::Q4_K, PK>(c, B, sbt, sbt + 128);
     for (int p = 0; p < 4; ++p) {
       const int64_t b0 = B * 8 + 2 * p;
-      c.pk = c0.pk + pace;
       const int8_t* x = xq + b0 * QK;
       __m512i z0 = _mm512_setzero_si512(), z1 = z0, z2 = z0, z3 = z0;
 #pragma GCC unroll 8
       for (int g = 0; g < 8; g += 2) {
         __m512i q[2];
         ldf2<DType::Q4_K, PK, 16>(c, B, 32 * p + 4 * g, q[0], q[1]);
-        if (g == 6) prefetch_blocks<DType::Q4_K, 2>(c0, b0, zero_after(q[1]));
+        if (g == 2 || g == 6) {
+          const int64_t after = zero_after(q[1]);
+          prefetch_blocks<DType::Q4_K, 1>(c0, b0 + (g == 6), after);
+          c.pk = c0.pk + after;
+        }
         z0 = dpbusd_b4(z0, _mm512_and_si512(q[0], m4), x + 4 * g);
         z1 = dpbusd_b4(z1, _mm512_and_si512(q[0], mf0), x + QK + 4 * g);
         z2 = dpbusd_b4(z2, _mm512_and_si512(q[1], m4), x + 4 * g + 4);
         z3 = dpbusd_b4(z3, _mm512_and_si512(q[1], mf0), x + QK + 4 * g + 4);
       }
       const __m512i ze = _mm512_add_epi32(z0, z2), zo = _mm512_add_epi32(z1, z3);
-      pace = zero_after(zo);
       k45_pair_out(acc, a, mo, b0, 2 * p, sbt, ze, zo);
     }
   }
