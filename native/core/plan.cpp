@@ -66,15 +66,15 @@ struct OpProfile {
       }
     }
     if (detail && !waits.empty()) {
-      std::vector<std::pair<uint64_t, const std::string*>> by_time;
-      for (const auto& kv : waits) by_time.emplace_back(kv.second.ns, &kv.first);
-      std::sort(by_time.begin(), by_time.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+      std::vector<const std::pair<const std::string, MatmulStat>*> by_time;
+      for (const auto& kv : waits) by_time.push_back(&kv);
+      std::sort(by_time.begin(), by_time.end(), [](const auto* a, const auto* b) { return a->second.ns > b->second.ns; });
       std::fprintf(stderr, "pyfast wait profile (thread time waiting for a group's last share, longest first):\n%-60s %8s %10s %10s\n",
                    "group (ops; * fused matmuls)", "waits", "ms", "us/wait");
       for (size_t i = 0; i < by_time.size() && i < 12; ++i) {
-        const MatmulStat& w = waits[*by_time[i].second];
-        std::fprintf(stderr, "%-60s %8llu %10.1f %10.2f\n", by_time[i].second->c_str(), (unsigned long long)w.runs,
-                     w.ns / 1e6, w.ns / 1e3 / (double)(w.runs ? w.runs : 1));
+        const MatmulStat& w = by_time[i]->second;
+        std::fprintf(stderr, "%-60s %8llu %10.1f %10.2f\n", by_time[i]->first.c_str(), (unsigned long long)w.runs,
+                     w.ns / 1e6, w.ns / 1e3 / (double)w.runs);
       }
     }
     uint64_t total = 0;

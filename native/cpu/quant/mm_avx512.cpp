@@ -298,6 +298,10 @@ constexpr int packed_at() {
   return -1;
 }
 
+// The packed Q6_K super-block (kPackFmt): 16 rows' scales and d, then per half 8 steps of 192
+// bytes (the 16 rows' dwords of ql low half, ql high half and qh side by side).
+constexpr int64_t kQ6Head = 16 * (16 + 2), kQ6Step = 3 * 64, kQ6Half = 8 * kQ6Step;
+
 // Lane r = row r's 4 bytes at byte FOFF + rel of (super-)block B of the row-major rows (FOFF:
 // where a field starts): gathered from the rows, or (PK) one load from the packed chunk c.pk.
 template <DType WT, bool PK, int FOFF>
@@ -307,8 +311,8 @@ PF_AVX512 PF_INLINE __m512i ldf(const QCtx& c, int64_t B, int64_t rel) {
     // the interleaved code fields (kPackFmt): ql byte o -> half o / 64, vector (o % 32) / 4,
     // first or second 32 bytes of the half; qh byte 128 + o -> half o / 32, vector (o % 32) / 4
     const int64_t o = FOFF + rel;
-    const int64_t at = o < 128 ? 288 + (o >> 6) * 1536 + ((o & 31) >> 2) * 192 + ((o >> 5) & 1) * 64
-                               : 288 + ((o - 128) >> 5) * 1536 + ((o & 31) >> 2) * 192 + 128;
+    const int64_t at = o < 128 ? kQ6Head + (o >> 6) * kQ6Half + ((o & 31) >> 2) * kQ6Step + ((o >> 5) & 1) * 64
+                               : kQ6Head + ((o - 128) >> 5) * kQ6Half + ((o & 31) >> 2) * kQ6Step + 128;
     return _mm512_loadu_si512(c.pk + B * 16 * bs + at);
   } else if constexpr (PK) {
     static_assert(packed_at<WT, FOFF>() >= 0, "FOFF must start a field of the block");
@@ -775,8 +779,6 @@ PF_AVX512 PF_INLINE void prefetch_blocks(const QCtx& c, int64_t b0, int64_t afte
 // table per super-block on the stack (fill_ktables_sb) and reading it back instead cost 5-7% of
 // the rate from cache, and 0-11% from DRAM, at 1 and 2 threads (bench_matmul, the two kernels
 // alternating per batch in one process).
-// The packed Q6_K super-block (ldf): 16 rows' scales and d, then per half 8 steps of 192 bytes.
-constexpr int64_t kQ6Head = 16 * (16 + 2), kQ6Step = 3 * 64, kQ6Half = 8 * kQ6Step;
 template <bool PK>
 PF_AVX512 void xt_q6k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   QCtx c = c0;  // c.pk carries the pacing zero
@@ -897,8 +899,8 @@ PF_AVX512 PF_INLINE void k45_pair_out(__m512& acc, const ActQ& a, size_t mo, int
 // of each half block pair (256 bytes of codes) wait for the previous half's last load, and each
 // half prefetches one block's bytes (288) 12 KiB ahead once that load has arrived. bench_matmul
 // --cold, AMD EPYC (Zen 5), against pacing by block pair on its sums with one 576-byte prefetch
-// per pair (alternating per batch in one process): 1.06-1.14x at 2 threads, 0.98-1.02x at 1,
-// from cache 1.01x; pacing by pair on its loads 0.89-0.92x at 1 thread (the sums pacing had
+// per pair (alternating per batch in one process): 1.06-1.14x at 2 threads (0.99-1.00x in a
+// run whose reads met 74-78 GB/s), 0.98-1.02x at 1, from cache 1.01x; pacing by pair on its loads 0.89-0.92x at 1 thread (the sums pacing had
 // given 36.2-39.3 GB/s against 31.7-36.1 unpaced there).
 template <bool PK>
 PF_AVX512 void xt_q4k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
