@@ -152,6 +152,8 @@ class Context:
         self.t_compute = 0.0
         self._out_ids: dict[int, np.ndarray] = {}  # decode_run: rows 0..n-1
         self._last_plan = None
+        # told once after the first plan run (models/base.Weights.computed: the huge-page move waits for it)
+        self._weights_computed = getattr(getattr(model, "weights", None), "computed", None)
 
     @property
     def is_recurrent(self) -> bool:
@@ -298,6 +300,9 @@ class Context:
         plan.run()
         self.t_compute += time.perf_counter() - t0
         self._last_plan = plan
+        if self._weights_computed is not None:
+            self._weights_computed()
+            self._weights_computed = None
 
     def _swa_mask(self, slots, pos: np.ndarray) -> np.ndarray:
         """The sliding-window layers' mask [T, n_kv]: the batch's causal mask without the cells

@@ -19,7 +19,8 @@ with 1 thread, each engine's generation set against the read bandwidth probed ri
 (its share of the bound; the ratio of the two shares is the speedup at equal bandwidth), peak RSS while generating 64 tokens and the time
 from loading the model to the first generated token (llama-simple vs pyfast.LLM; medians of
 --startup-runs alternating starts, the file read into the page cache before each, pyfast's
-bytecode compiled once as pip installs it; --startup-only measures just that).
+bytecode compiled once as pip installs it; --startup-memory sets the memory state each start
+begins in, which matters on VMs; --startup-only measures just that).
 By default the files are the default model (SmolLM2-135M-Instruct Q4_1) and the same model
 requantized with `pyfast quantize` to Q4_K_M and Q8_0 (made on first use next to the default
 model).
@@ -64,7 +65,9 @@ def pyfast_bench(model: str, threads: int, pp: int, tg: int, reps: int) -> dict[
 
 
 def llama_startup(bin_dir: str, model: str, threads: int) -> tuple[float, float]:
-    """(seconds from process start to the first generated token, peak RSS MiB) for llama-simple."""
+    """(seconds from the model load's start to the first generated token, peak RSS MiB) for
+    llama-simple: its "load time", which llama.cpp ends at the first evaluation (the prompt's;
+    llama_context::synchronize), so it already holds the "prompt eval time" printed beside it."""
     exe = os.path.join(bin_dir, "llama-simple")
     if not os.path.exists(exe):
         return float("nan"), float("nan")
@@ -74,8 +77,7 @@ def llama_startup(bin_dir: str, model: str, threads: int) -> tuple[float, float]
     err = p.stderr
     rss = float(re.search(r"maxrss_kb=(\d+)", err).group(1)) / 1024
     load = float(re.search(r"load time =\s+([\d.]+) ms", err).group(1))
-    prompt = float(re.search(r"prompt eval time =\s+([\d.]+) ms", err).group(1))
-    return (load + prompt) / 1000, rss
+    return load / 1000, rss
 
 
 _PYFAST_STARTUP = r"""
@@ -114,18 +116,52 @@ def cache_file(model: str) -> None:
             pass
 
 
-def startup_pair(bin_dir: str, model: str, threads: int, runs: int) -> tuple[float, float, float, float]:
+# --startup-memory cold: seconds idle before a start. Linux's free page reporting (virtio-balloon
+# on Firecracker / QEMU VMs) hands memory freed by the previous process back to the host about
+# 2 s after the free; this VM's fresh-memory fills ran at cold speed after 15 s.
+COLD_WAIT_S = 15.0
+
+
+def prepare_memory(model: str, mode: str) -> None:
+    """The memory state a start begins in (--startup-memory). On a VM that reports free memory to
+    its host, the first touch of memory the host took back waits on the host (0.4-1 GB/s on the
+    2-core VM, against several GB/s for memory it still backs), and how much of it is still backed
+    depends on what the process before freed and how long ago: alternating starts then favour the
+    engine that follows the one that frees more. "cold": idle COLD_WAIT_S, every start fills memory
+    the host took back; "warm": fill and free twice the file's size (at most half the available
+    memory) right before, the case of a machine without a balloon; "as-is": neither."""
+    if mode == "cold":
+        time.sleep(COLD_WAIT_S)
+    elif mode == "warm":
+        from pyfast.models import _mem_available
+
+        n = 2 * os.path.getsize(model)
+        avail = _mem_available()
+        if avail is not None:
+            n = min(n, avail // 2)
+        import numpy as np
+
+        buf = np.ones(n, dtype=np.uint8)  # every page written
+        del buf
+
+
+def startup_pair(bin_dir: str, model: str, threads: int, runs: int,
+                 memory: str = "as-is") -> tuple[float, float, float, float]:
     """Medians of `runs` alternating starts (after one pyfast start that compiles its bytecode; the
-    file read into the page cache before every start): llama.cpp seconds, pyfast seconds, llama.cpp
-    MiB, pyfast MiB."""
+    file read into the page cache before every start, then memory prepared as `memory` says):
+    llama.cpp seconds, pyfast seconds, llama.cpp MiB, pyfast MiB."""
     cache_file(model)
     pyfast_startup(model, threads)
     ll, pf = [], []
     for _ in range(runs):
         cache_file(model)
+        prepare_memory(model, memory)
         ll.append(llama_startup(bin_dir, model, threads))
         cache_file(model)
+        prepare_memory(model, memory)
         pf.append(pyfast_startup(model, threads))
+        print(f"start: {os.path.basename(model)} ({memory}) llama.cpp {ll[-1][0]:.3f} s, pyfast {pf[-1][0]:.3f} s",
+              file=sys.stderr)
     med = statistics.median
     return med(x[0] for x in ll), med(x[0] for x in pf), med(x[1] for x in ll), med(x[1] for x in pf)
 
@@ -154,6 +190,9 @@ def main() -> int:
     ap.add_argument("--startup-runs", type=int, default=3,
                     help="alternating start-up runs per file (median); 0 leaves the start-up table out")
     ap.add_argument("--startup-only", action="store_true", help="only the start-up table")
+    ap.add_argument("--startup-memory", choices=("as-is", "cold", "warm"), default="as-is",
+                    help="memory state before each start (see prepare_memory): as-is (default), cold "
+                         f"(idle {COLD_WAIT_S:.0f} s: a VM's host has taken freed memory back) or warm")
     ap.add_argument("-o", "--output", default=None, help="also write the markdown table here")
     ap.add_argument("--engine", default="llama.cpp", help="the other engine's name in the tables")
     ap.add_argument("--llama-args", default="", help="extra llama-bench arguments (one string, shell-split)")
@@ -180,7 +219,7 @@ def main() -> int:
     for m in models:
         name = os.path.basename(m)
         if a.startup_only:
-            lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs)
+            lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs, a.startup_memory)
             start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
                          f"| {pr - lr:+.0f} MiB |")
             print(f"done {name}", file=sys.stderr)
@@ -236,12 +275,13 @@ def main() -> int:
                              f"({', '.join(f'{r:.2f}' for r in rr)}) | {bw:.1f} GB/s | {bw * 1e9 / size:.0f} t/s "
                              f"| {100 * med(fp):.0f}% | {100 * med(fl):.0f}% |")
         if a.startup_runs:
-            lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs)
+            lt, pt, lr, pr = startup_pair(a.llama_bin, m, a.threads, a.startup_runs, a.startup_memory)
             start.append(f"| {name} | {lt:.3f} s | {pt:.3f} s | {pt / lt:.2f}x | {lr:.0f} MiB | {pr:.0f} MiB "
                          f"| {pr - lr:+.0f} MiB |")
         print(f"done {name}", file=sys.stderr)
     if a.startup_only:
-        lines = [f"Machine: {os.cpu_count()} CPUs; {a.startup_runs} alternating starts per file; "
+        lines = [f"Machine: {os.cpu_count()} CPUs; {a.startup_runs} alternating starts per file, memory "
+                 f"{a.startup_memory}; "
                  f"{time.strftime('%Y-%m-%d %H:%M')}; load average before: {os.getloadavg()[0]:.2f}", ""]
     text = "\n".join((lines if a.startup_only else lines + extra) + start)
     print(text)

@@ -10,6 +10,7 @@ import atexit
 import math
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -72,6 +73,8 @@ class _Packing:
         self.row_major: set[str] = set()
         self.lock = threading.Lock()
         self.collapser: threading.Thread | None = None  # collapsing the copy into huge pages
+        # set after a graph first ran on these weights (Weights.computed): the collapse starts then
+        self.computed = threading.Event()
 
 
 def packing_enabled() -> bool:
@@ -81,6 +84,30 @@ def packing_enabled() -> bool:
     if env is not None and env != "":
         return env != "0"
     return native.cpu_isa() == "avx512"
+
+
+_LOAD_THREADS = 8  # threads reading a file into memory (_read_all)
+
+
+def _read_cuts(total: int, packs: list[tuple], part_bytes: int = 64 << 20) -> list[int]:
+    """Where the threads of ``Weights._read_all`` split a tensor-data section of ``total`` bytes:
+    one part per ``part_bytes``, at most _LOAD_THREADS, in whole 2 MiB pages, each boundary moved forward
+    to a 16-row chunk boundary of the packed tensor it falls in (``packs``: (start, end, chunk
+    bytes, ...) as ``_eager_pack`` gives them), so that every chunk is read and packed by one
+    thread. Returns the ascending offsets [0, ..., total]; parts may be empty."""
+    parts = max(1, min(_LOAD_THREADS, total // part_bytes))
+    step = -(-total // parts)
+    step = -(-step // (2 << 20)) * (2 << 20)
+    cuts = [0]
+    for i in range(1, parts):
+        c = min(i * step, total)
+        for s, e, cb, *_ in packs:
+            if s < c < e:
+                c = min(e, s + -(-(c - s) // cb) * cb)
+                break
+        cuts.append(max(c, cuts[-1]))
+    cuts.append(total)
+    return cuts
 
 
 def _weight_pages() -> str:
@@ -97,11 +124,22 @@ def _weight_pages() -> str:
     return v
 
 
-def _collapse(ref, lock: threading.Lock) -> None:
+# the longest the collapse waits for a first graph run before it starts anyway (_collapse)
+_COLLAPSE_WAIT_S = 10.0
+
+
+def _collapse(ref, lock: threading.Lock, go: threading.Event | None = None) -> None:
     """Move a weights buffer (a weak reference: dropping the weights ends this) into huge pages,
     16 MiB at a time (a prompt stop at exit), at the lowest priority: decode threads take the
     cores first. ``lock`` is the one lazy packing writes under (``Weights.matmul_data``): a write
-    between the copy and the page move would be lost, so collapse holds it for those two steps."""
+    between the copy and the page move would be lost, so collapse holds it for those two steps.
+    It starts once ``go`` is set (the first graph run: the prompt of the first request), or after
+    _COLLAPSE_WAIT_S: its fresh huge pages slowed the first prompt of an 8B-class file on a VM
+    whose host had taken the memory back (0.45-0.74 s against 0.27-0.36 s without a collapse)."""
+    t_end = time.monotonic() + _COLLAPSE_WAIT_S
+    while go is not None and not go.is_set() and time.monotonic() < t_end:
+        if _STOP_LOADERS.wait(0.05):
+            return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
     except (OSError, AttributeError):
@@ -155,13 +193,14 @@ class Weights:
     def _read_all(self, pages: str) -> None:
         """Read the tensor-data section into a native buffer that ends up in transparent huge
         pages (``_weight_pages``): every decode streams all the weights, and mapped file pages are
-        4 KiB. Files over
-        64 MiB are read in up to four parts by as many threads (reads release the GIL, and the
-        kernel's page copies and huge-page faults then run in parallel: a cached 1.1 GB file
-        took 0.15 s with two threads against 0.27 s with one). The matmul weights (``_eager_pack``)
-        are packed slab by slab right after each slab is read, while the bytes are still in cache
-        and off the start-up path (``native.read_pack``; the caller builds the tokenizer
-        meanwhile)."""
+        4 KiB. Files over 64 MiB are read in up to eight parts by as many threads, whatever the
+        core count (``_read_cuts``): reads release the GIL, the kernel's page copies run in
+        parallel (a cached 1.1 GB file took 0.15 s with two threads against 0.27 s with one), and
+        the first touch of fresh memory, which on a VM can wait on the host, overlaps with the
+        other threads' work (2 cores, a 4 GiB fill of memory the host had taken back: 6.8 s with
+        2 threads, 5.8 with 4, 4.2-4.5 with 8). The matmul weights (``_eager_pack``) are packed
+        slab by slab right after each slab is read, while the bytes are still in cache and off
+        the start-up path (``native.read_pack``; the caller builds the tokenizer meanwhile)."""
         try:
             lo, hi = int(self.reader.data_offset), int(self.reader.file_size)
             total = max(hi - lo, 1)
@@ -172,20 +211,7 @@ class Weights:
                 buf = native.Buffer(total, huge_pages=pages != "small", advise=pages == "fault")
             host = np.frombuffer(buf, dtype=np.uint8)
             packs, eager = self._eager_pack()  # [(start, end, chunk bytes, dtype, n_cols)] by start, names
-            parts = max(1, min(4, os.cpu_count() or 1, total >> 26))
-            step = -(-total // parts)
-            step = -(-step // (2 << 20)) * (2 << 20)  # whole huge pages per part
-            # each part boundary moves forward to a 16-row chunk boundary of the packed tensor it
-            # falls in, so that every chunk is read and packed by one thread
-            cuts = [0]
-            for i in range(1, parts):
-                c = min(i * step, hi - lo)
-                for s, e, cb, _, _ in packs:
-                    if s < c < e:
-                        c = min(e, s + -(-(c - s) // cb) * cb)
-                        break
-                cuts.append(max(c, cuts[-1]))
-            cuts.append(hi - lo)
+            cuts = _read_cuts(hi - lo, packs)
             errors: list[BaseException] = []
             fd = os.open(self.reader.path, os.O_RDONLY)
             try:
@@ -201,7 +227,7 @@ class Weights:
                         errors.append(e)
 
                 helpers = [threading.Thread(target=part, args=(cuts[i], cuts[i + 1]), name="pyfast-weights",
-                                            daemon=True) for i in range(1, parts) if cuts[i] < cuts[i + 1]]
+                                            daemon=True) for i in range(1, len(cuts) - 1) if cuts[i] < cuts[i + 1]]
                 for t in helpers:
                     t.start()
                 part(cuts[0], cuts[1])
@@ -217,7 +243,9 @@ class Weights:
             self._host = host  # keeps buf alive
             if pages == "collapse":
                 lock = self._pack.lock if self._pack is not None else threading.Lock()
-                t = threading.Thread(target=_collapse, args=(weakref.ref(buf), lock), name="pyfast-thp", daemon=True)
+                go = self._pack.computed if self._pack is not None else None
+                t = threading.Thread(target=_collapse, args=(weakref.ref(buf), lock, go), name="pyfast-thp",
+                                     daemon=True)
                 _LOADERS.add(t)
                 if self._pack is not None:
                     self._pack.collapser = t
@@ -270,7 +298,13 @@ class Weights:
         self._wait_loaded()
         t = self._pack.collapser
         if t is not None:
+            self._pack.computed.set()
             t.join()
+
+    def computed(self) -> None:
+        """A graph ran on these weights: the background move into huge pages may start."""
+        if self._pack is not None:
+            self._pack.computed.set()
 
     def __contains__(self, name: str) -> bool:
         return name in self.info

@@ -250,3 +250,32 @@ def test_read_pack_errors(tmp_path):
         os.close(fd)
     with pytest.raises(RuntimeError, match="reading the file failed"):
         N.read_pack(-1, buf, 0, 16, 0, [], np.zeros(1, np.uint8))
+
+
+def test_read_cuts_split_on_chunk_boundaries():
+    """The loader's part boundaries (models/base._read_cuts): ascending from 0 to the size, one part
+    per 64 MiB up to the thread cap, and never inside a 16-row chunk of a packed tensor (a chunk
+    split between two threads would be packed from half-read bytes)."""
+    from pyfast.models.base import _LOAD_THREADS, _read_cuts
+
+    M = 1 << 20
+    assert _read_cuts(10 * M, []) == [0, 10 * M]  # under 64 MiB: one part
+    total = 4466 * M
+    # tensors of odd chunk sizes laid end to end, with gaps between some of them
+    packs, s = [], 5 * M + 123
+    rng = np.random.default_rng(0)
+    while s < total - 300 * M:
+        cb = int(rng.integers(1, 40)) * 16 * 210
+        n = int(rng.integers(100, 4000))
+        packs.append((s, s + n * cb, cb, Q4_1, 256))
+        s += n * cb + int(rng.integers(0, 3)) * 4096
+    cuts = _read_cuts(total, packs)
+    assert len(cuts) == _LOAD_THREADS + 1 and cuts[0] == 0 and cuts[-1] == total
+    assert all(a <= b for a, b in zip(cuts, cuts[1:]))
+    for c in cuts:
+        for st, en, cb, *_ in packs:
+            if st < c < en:
+                assert (c - st) % cb == 0, (c, st, cb)
+    # the parts stay near-even (a part is at most one chunk past its 2 MiB-rounded share)
+    step = -(-(-(-total // _LOAD_THREADS)) // (2 * M)) * (2 * M)
+    assert max(b - a for a, b in zip(cuts, cuts[1:])) <= step + max(p[2] for p in packs)

@@ -117,3 +117,38 @@ def test_llama_bench_failure_and_bad_args_are_clear_errors(script, monkeypatch, 
     with pytest.raises(SystemExit) as e:
         script.main()
     assert e.value.code == 2
+
+
+def test_startup_memory_state_precedes_every_start(script, monkeypatch, tmp_path):
+    """--startup-memory: each start (either engine) comes after the file is read into the page
+    cache and then the memory state is set (cold: idle COLD_WAIT_S; warm: memory filled and freed)."""
+    events = []
+    model = tmp_path / "x.gguf"
+    model.write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(script, "cache_file", lambda m: events.append("cache"))
+    monkeypatch.setattr(script.time, "sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr(script, "llama_startup", lambda *a: events.append("ll") or (2.0, 700.0))
+    monkeypatch.setattr(script, "pyfast_startup", lambda *a: events.append("pf") or (1.0, 500.0))
+    assert script.startup_pair("bin", str(model), 2, 2, "cold") == (2.0, 1.0, 700.0, 500.0)
+    cold = ["cache", ("sleep", script.COLD_WAIT_S)]
+    # one pyfast start compiles the bytecode first; then llama.cpp and pyfast alternate
+    assert events == ["cache", "pf"] + (cold + ["ll"] + cold + ["pf"]) * 2
+    events.clear()
+    script.startup_pair("bin", str(model), 2, 1, "warm")
+    assert events == ["cache", "pf", "cache", "ll", "cache", "pf"]  # warm fills memory, never idles
+    events.clear()
+    script.startup_pair("bin", str(model), 2, 1)
+    assert events == ["cache", "pf", "cache", "ll", "cache", "pf"]
+
+
+def test_llama_startup_is_its_load_time(script, tmp_path):
+    """llama.cpp's "load time" ends at the first evaluation (the prompt's), so load -> first token
+    is that figure alone; adding the "prompt eval time" printed beside it would count the prompt
+    twice."""
+    exe = tmp_path / "llama-simple"
+    exe.write_text(f"#!{sys.executable}\nimport sys\n"
+                   "print('llama_perf_context_print:        load time =    2570.30 ms', file=sys.stderr)\n"
+                   "print('llama_perf_context_print: prompt eval time =    1460.41 ms /     8 tokens', file=sys.stderr)\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    t, rss = script.llama_startup(str(tmp_path), "x.gguf", 2)
+    assert t == pytest.approx(2.5703) and rss > 0

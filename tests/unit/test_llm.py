@@ -147,6 +147,33 @@ def test_weights_in_memory_equal_the_mapped_file(smollm2_path):
     assert np.array_equal(la, lb)
 
 
+def test_weights_read_by_several_threads_equal_the_file(smollm2_path, tmp_path, monkeypatch):
+    """A file read in parts by several loader threads (the split a multi-GB file gets, here on
+    8 MiB parts) holds the file's bytes in every tensor and gives the mapped file's logits."""
+    import shutil
+    from pyfast.context import Context
+    from pyfast.models import Model, base
+    seen = []
+
+    def cuts(total, packs):
+        c = base_cuts(total, packs, part_bytes=8 << 20)
+        seen.append(c)
+        return c
+
+    base_cuts = base._read_cuts
+    monkeypatch.setattr(base, "_read_cuts", cuts)
+    fresh = tmp_path / "parts.gguf"  # its own in-memory copy (other tests may hold the file's)
+    shutil.copyfile(smollm2_path, fresh)
+    mem, mapped = Model(fresh, mmap=False), Model(smollm2_path, mmap=True)
+    for name in mem.weights.info:
+        assert np.array_equal(mem.weights.data(name), mapped.weights.data(name)), name
+    assert len(seen) == 1 and len(seen[0]) == base._LOAD_THREADS + 1  # 8 parts of a 92 MB file
+    prompt = [1, 504, 3458, 282, 2940, 30]
+    la = Context(mem, n_ctx=64, n_threads=2).decode(prompt, seq_ids=0)
+    lb = Context(mapped, n_ctx=64, n_threads=2).decode(prompt, seq_ids=0)
+    assert np.array_equal(la, lb)
+
+
 def test_models_of_one_file_share_the_weights_in_memory(smollm2_path):
     """Like a mapping, one in-memory copy per file and process: a second Model (a draft model of
     the same file, another LLM) shares it, also after the first one is gone."""
@@ -286,3 +313,47 @@ def test_buffer_collapse_keeps_bytes_under_concurrent_reads():
     assert int(a[4096]) == 7
     with pytest.raises(IndexError, match="out of bounds"):
         buf.collapse(n - 10, 20)
+
+
+def test_collapse_starts_after_the_first_graph_run(smollm2_path, tmp_path, monkeypatch):
+    """The move into huge pages waits for the first graph run on the weights (Context tells the
+    weights once; its fresh pages would slow that first prompt), or _COLLAPSE_WAIT_S at most."""
+    import shutil
+    import threading
+    from pyfast.context import Context
+    from pyfast.models import Model, base
+
+    class Fake:  # a buffer that records the ranges it was asked to move
+        nbytes = 48 << 20
+
+        def __init__(self):
+            self.calls = []
+
+        def collapse(self, off, n, lock):
+            self.calls.append((off, n))
+            return True
+
+    fake, go = Fake(), threading.Event()
+    t = threading.Thread(target=base._collapse, args=(lambda: fake, threading.Lock(), go))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and fake.calls == []  # waiting for the first run
+    go.set()
+    t.join(5)
+    assert not t.is_alive() and fake.calls == [(0, 16 << 20), (16 << 20, 16 << 20), (32 << 20, 16 << 20)]
+    monkeypatch.setattr(base, "_COLLAPSE_WAIT_S", 0.1)  # no run ever: it starts after the wait
+    fake = Fake()
+    t = threading.Thread(target=base._collapse, args=(lambda: fake, threading.Lock(), threading.Event()))
+    t.start()
+    t.join(5)
+    assert not t.is_alive() and len(fake.calls) == 3
+    # a Context's first decode tells its weights
+    monkeypatch.setattr(base, "_COLLAPSE_WAIT_S", 60.0)
+    fresh = tmp_path / "go.gguf"  # its own in-memory copy (other tests may hold the file's)
+    shutil.copyfile(smollm2_path, fresh)
+    m = Model(fresh, mmap=False)
+    m.weights._wait_loaded()
+    ctx = Context(m, n_ctx=32, n_threads=1)
+    assert not m.weights._pack.computed.is_set()
+    ctx.decode([1, 504], seq_ids=0)
+    assert m.weights._pack.computed.is_set()
