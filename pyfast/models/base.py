@@ -128,7 +128,7 @@ def _weight_pages() -> str:
 _COLLAPSE_WAIT_S = 10.0
 
 
-def _collapse(ref, lock: threading.Lock, go: threading.Event | None = None) -> None:
+def _collapse(ref, lock: threading.Lock, go: threading.Event) -> None:
     """Move a weights buffer (a weak reference: dropping the weights ends this) into huge pages,
     16 MiB at a time (a prompt stop at exit), at the lowest priority: decode threads take the
     cores first. ``lock`` is the one lazy packing writes under (``Weights.matmul_data``): a write
@@ -137,7 +137,7 @@ def _collapse(ref, lock: threading.Lock, go: threading.Event | None = None) -> N
     _COLLAPSE_WAIT_S: its fresh huge pages slowed the first prompt of an 8B-class file on a VM
     whose host had taken the memory back (0.45-0.74 s against 0.27-0.36 s without a collapse)."""
     t_end = time.monotonic() + _COLLAPSE_WAIT_S
-    while go is not None and not go.is_set() and time.monotonic() < t_end:
+    while not go.is_set() and time.monotonic() < t_end:
         if _STOP_LOADERS.wait(0.05):
             return
     try:
@@ -237,18 +237,15 @@ class Weights:
                 os.close(fd)
             if errors:
                 raise errors[0]
-            if self._pack is not None:
-                with self._pack.lock:
-                    self._pack.packed.update(eager)
+            pk = self._pack  # always set here: only Weights read into memory run _read_all
+            with pk.lock:
+                pk.packed.update(eager)
             self._host = host  # keeps buf alive
             if pages == "collapse":
-                lock = self._pack.lock if self._pack is not None else threading.Lock()
-                go = self._pack.computed if self._pack is not None else None
-                t = threading.Thread(target=_collapse, args=(weakref.ref(buf), lock, go), name="pyfast-thp",
-                                     daemon=True)
+                t = threading.Thread(target=_collapse, args=(weakref.ref(buf), pk.lock, pk.computed),
+                                     name="pyfast-thp", daemon=True)
                 _LOADERS.add(t)
-                if self._pack is not None:
-                    self._pack.collapser = t
+                pk.collapser = t
                 t.start()
         except BaseException as e:  # re-raised by the first data() call
             self._load_error = e

@@ -277,5 +277,6 @@ def test_read_cuts_split_on_chunk_boundaries():
             if st < c < en:
                 assert (c - st) % cb == 0, (c, st, cb)
     # the parts stay near-even (a part is at most one chunk past its 2 MiB-rounded share)
-    step = -(-(-(-total // _LOAD_THREADS)) // (2 * M)) * (2 * M)
+    share = -(-total // _LOAD_THREADS)
+    step = -(-share // (2 * M)) * (2 * M)
     assert max(b - a for a, b in zip(cuts, cuts[1:])) <= step + max(p[2] for p in packs)

@@ -134,8 +134,12 @@ def test_startup_memory_state_precedes_every_start(script, monkeypatch, tmp_path
     # one pyfast start compiles the bytecode first; then llama.cpp and pyfast alternate
     assert events == ["cache", "pf"] + (cold + ["ll"] + cold + ["pf"]) * 2
     events.clear()
+    import numpy as np
+    real_ones = np.ones
+    monkeypatch.setattr(np, "ones", lambda n, dtype: events.append(("fill", n)) or real_ones(n, dtype))
     script.startup_pair("bin", str(model), 2, 1, "warm")
-    assert events == ["cache", "pf", "cache", "ll", "cache", "pf"]  # warm fills memory, never idles
+    fill = ("fill", 2 * 4096)  # twice the file, written before each start; never idle
+    assert events == ["cache", "pf", "cache", fill, "ll", "cache", fill, "pf"]
     events.clear()
     script.startup_pair("bin", str(model), 2, 1)
     assert events == ["cache", "pf", "cache", "ll", "cache", "pf"]

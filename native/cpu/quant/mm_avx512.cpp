@@ -900,8 +900,9 @@ PF_AVX512 PF_INLINE void k45_pair_out(__m512& acc, const ActQ& a, size_t mo, int
 // half prefetches one block's bytes (288) 12 KiB ahead once that load has arrived. bench_matmul
 // --cold, AMD EPYC (Zen 5), against pacing by block pair on its sums with one 576-byte prefetch
 // per pair (alternating per batch in one process): 1.06-1.14x at 2 threads (0.99-1.00x in a
-// run whose reads met 74-78 GB/s), 0.98-1.02x at 1, from cache 1.01x; pacing by pair on its loads 0.89-0.92x at 1 thread (the sums pacing had
-// given 36.2-39.3 GB/s against 31.7-36.1 unpaced there).
+// run whose reads met 74-78 GB/s), 0.98-1.02x at 1, from cache 1.01x; pacing by pair on its
+// loads 0.89-0.92x at 1 thread (the sums pacing had given 36.2-39.3 GB/s against 31.7-36.1
+// unpaced there).
 template <bool PK>
 PF_AVX512 void xt_q4k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   (void)xb;
