@@ -185,8 +185,10 @@ void bind_gguf(py::module_& m) {
       .def_property_readonly("data_offset", [](const PyGGUFFile& s) { return s.get().data_offset(); },
                              "Absolute file offset where the tensor data section starts.")
       .def_property_readonly("file_size", [](const PyGGUFFile& s) { return s.get().file_size(); })
-      .def("prefetch", [](PyGGUFFile& s) { s.get().prefetch(); },
-           "Start mapping the tensor data into memory on a background thread (returns at once).")
+      .def("prefetch", [](PyGGUFFile& s, std::vector<std::pair<uint64_t, uint64_t>> ranges) { s.get().prefetch(std::move(ranges)); },
+           py::arg("ranges") = std::vector<std::pair<uint64_t, uint64_t>>{},
+           "Start mapping the tensor data (or only `ranges`: (absolute file offset, bytes) pairs) into\n"
+           "memory on a background thread (returns at once; once per file).")
       .def_property_readonly(
           "metadata",
           [](PyGGUFFile& s) -> py::object {

@@ -365,22 +365,26 @@ GGUFFile::~GGUFFile() {
   if (base_) ::munmap((void*)base_, (size_t)size_);
 }
 
-void GGUFFile::prefetch() const {
+void GGUFFile::prefetch(std::vector<std::pair<uint64_t, uint64_t>> ranges) const {
   std::lock_guard<std::mutex> lk(prefetch_mu_);
   if (prefetch_thread_.joinable() || !base_ || size_ <= data_offset_) return;
-  prefetch_thread_ = std::thread([this] {
+  if (ranges.empty()) ranges.emplace_back(data_offset_, size_ - data_offset_);
+  prefetch_thread_ = std::thread([this, ranges] {
     const size_t page = 4096;
-    const uintptr_t start = ((uintptr_t)(base_ + data_offset_)) & ~(uintptr_t)(page - 1);
-    const uintptr_t end = (uintptr_t)(base_ + size_);
     const size_t step = size_t(4) << 20;  // in 4 MiB pieces so a stop request is seen quickly
-    for (uintptr_t a = start; a < end && !prefetch_stop_.load(std::memory_order_relaxed); a += step) {
-      const size_t n = std::min<size_t>(step, end - a);
+    for (const auto& [off, len] : ranges) {
+      if (off >= size_) continue;
+      const uintptr_t start = ((uintptr_t)(base_ + off)) & ~(uintptr_t)(page - 1);
+      const uintptr_t end = (uintptr_t)(base_ + off + std::min<uint64_t>(len, size_ - off));
+      for (uintptr_t a = start; a < end && !prefetch_stop_.load(std::memory_order_relaxed); a += step) {
+        const size_t n = std::min<size_t>(step, end - a);
 #if defined(MADV_POPULATE_READ)
-      if (::madvise((void*)a, n, MADV_POPULATE_READ) == 0) continue;
+        if (::madvise((void*)a, n, MADV_POPULATE_READ) == 0) continue;
 #endif
-      volatile uint8_t sink = 0;  // older kernels: touch one byte per page
-      for (uintptr_t b = a; b < a + n; b += page) sink = sink + *(const volatile uint8_t*)b;
-      (void)sink;
+        volatile uint8_t sink = 0;  // older kernels: touch one byte per page
+        for (uintptr_t b = a; b < a + n; b += page) sink = sink + *(const volatile uint8_t*)b;
+        (void)sink;
+      }
     }
   });
 }

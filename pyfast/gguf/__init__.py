@@ -104,11 +104,14 @@ class GGUFReader:
             )
         return self._file.tensor_data(name).view(dt).reshape(info.shape)
 
-    def prefetch(self) -> None:
-        """Start paging the tensor data in on a background native thread (returns at once)."""
+    def prefetch(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        """Start paging the tensor data in on a background native thread (returns at once; the
+        first call per file counts). ``ranges``: only these (absolute file offset, bytes)."""
+        if ranges is not None and not ranges:
+            return
         fn = getattr(self._file, "prefetch", None)  # absent in native modules built before it
         if fn is not None:
-            fn()
+            fn(list(ranges or []))
 
     def close(self) -> None:
         """Release this reader's reference to the mapping (arrays already taken stay valid)."""

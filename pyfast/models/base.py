@@ -72,6 +72,10 @@ class _Packing:
         self.packed: set[str] = set()
         self.row_major: set[str] = set()
         self.lock = threading.Lock()
+        # tensors left in the file's mapping instead of the copy (Weights._keep_mapped), and the
+        # copy's layout: (start, end, copy offset) of each run of copied bytes, data-section relative
+        self.mapped: frozenset[str] = frozenset()
+        self.segments: list[tuple[int, int, int]] = []
         self.collapser: threading.Thread | None = None  # collapsing the copy into huge pages
         # set after a graph first ran on these weights (Weights.computed): the collapse starts then
         self.computed = threading.Event()
@@ -87,6 +91,35 @@ def packing_enabled() -> bool:
 
 
 _LOAD_THREADS = 8  # threads reading a file into memory (_read_all)
+
+
+# Q6_K matmul weights stay mapped when they take at least _MAPPED_Q6K_MIN_BYTES and at most
+# _MAPPED_Q6K_SHARE of a file's tensor bytes (Weights._keep_mapped)
+_MAPPED_Q6K_MIN_BYTES = 512 << 20
+_MAPPED_Q6K_SHARE = 1 / 3
+
+
+def _keep_mapped_policy() -> str:
+    """PYFAST_KEEP_MAPPED: "auto" (default; see ``Weights._keep_mapped``) or "none" (copy every
+    tensor)."""
+    v = os.environ.get("PYFAST_KEEP_MAPPED", "") or "auto"
+    if v not in ("auto", "none"):
+        raise ValueError(f"PYFAST_KEEP_MAPPED={v!r}: expected auto or none")
+    return v
+
+
+def _segments(total: int, holes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The runs of [0, total) outside ``holes`` ([start, end) pairs, any order, may touch), as
+    (start, end, offset in a buffer holding only the runs, back to back)."""
+    segs, pos, at = [], 0, 0
+    for a, b in sorted(holes):
+        if a > pos:
+            segs.append((pos, a, at))
+            at += a - pos
+        pos = max(pos, b)
+    if total > pos:
+        segs.append((pos, total, at))
+    return segs
 
 
 def _read_cuts(total: int, packs: list[tuple], part_bytes: int = 64 << 20) -> list[int]:
@@ -157,8 +190,8 @@ def _collapse(ref, lock: threading.Lock, go: threading.Event) -> None:
 
 
 class Weights:
-    """Model tensors: read into one host buffer in huge pages (``in_memory``), or mapped from the
-    GGUF file (no copies)."""
+    """Model tensors: read into one host buffer in huge pages (``in_memory``; a few kinds of tensor
+    stay mapped, ``_keep_mapped``), or mapped from the GGUF file (no copies)."""
 
     def __init__(self, reader, in_memory: bool = False):
         self.reader = reader
@@ -182,6 +215,13 @@ class Weights:
             else:
                 self._pack = _Packing()
                 pages = _weight_pages()  # a bad PYFAST_WEIGHT_PAGES fails here, not at first use
+                self._pack.mapped = self._keep_mapped(_keep_mapped_policy())
+                base = int(reader.data_offset)
+                holes = [(int(self.info[n].offset) - base, int(self.info[n].offset) - base + int(self.info[n].nbytes))
+                         for n in self._pack.mapped]
+                self._pack.segments = _segments(max(int(reader.file_size) - base, 0), holes)
+                # the mapped tensors' pages are mapped in meanwhile (the first decode reads them)
+                reader.prefetch([(int(self.info[n].offset), int(self.info[n].nbytes)) for n in self._pack.mapped])
                 # read on a background thread (file reads release the GIL) while the caller
                 # builds the tokenizer; data() waits for it
                 self._loader = threading.Thread(target=self._read_all, args=(pages,), name="pyfast-weights",
@@ -189,6 +229,45 @@ class Weights:
                 _LOADERS.add(self._loader)
                 self._loader.start()
             refs.append(weakref.ref(self))
+
+    def _keep_mapped(self, policy: str) -> frozenset[str]:
+        """Tensors an in-memory copy leaves in the file's mapping: they cost no fresh memory and no
+        copy at start-up (a mapped file's pages are the page cache's). "auto": the token embedding
+        when the file has a separate output matrix (only the prompt's rows are read), and the 2-D
+        Q6_K matmul weights of a large K-quant mix: at least _MAPPED_Q6K_MIN_BYTES of them, at most
+        _MAPPED_Q6K_SHARE of the tensor bytes (an 8B Q4_K_M: 0.99 GB, a fifth, the part
+        llama.cpp's CPU backend leaves mapped too). The row-major one-row kernel
+        (``xt_q6k_row_rm``) reads them 0.75-0.9x as fast as the packed copy at 1 thread (8B Q4_K_M
+        decode: 0.86-0.95x at 1 thread, unchanged at 2), while not copying them took an 8B
+        file's first token from 1.2-1.7x llama.cpp's time to 0.4-0.6x on this VM, whose fresh
+        memory is slow; on a 1B Q4_K_M file (117 MB of Q6_K) decode lost 3-6% for a start-up
+        saving of tens of milliseconds, so small files and files mostly of Q6_K are copied and
+        packed. Nothing is left mapped where weights are not packed (other ISAs read every weight
+        row-major from the copy)."""
+        if policy == "none" or not packing_enabled():
+            return frozenset()
+        out, q6k, total = set(), [], 0
+        for name, info in self.info.items():
+            total += int(info.nbytes)
+            stem = name.rsplit(".", 1)[0] if name.endswith(".weight") else ""
+            if stem.split(".")[-1] not in _MATMUL_NAMES:
+                continue
+            if stem == "token_embd":
+                if "output.weight" in self.info:
+                    out.add(name)
+            elif self.dtype(name) == DType.Q6_K and len(self.shape(name)) == 2:
+                q6k.append(name)
+        q6k_bytes = sum(int(self.info[n].nbytes) for n in q6k)
+        if _MAPPED_Q6K_MIN_BYTES <= q6k_bytes <= _MAPPED_Q6K_SHARE * total:
+            out.update(q6k)
+        return frozenset(out)
+
+    def _copy_offset(self, rel: int) -> int:
+        """Where data-section offset ``rel`` of a copied tensor lies in the copy."""
+        for s, e, at in self._pack.segments:
+            if s <= rel < e:
+                return at + rel - s
+        raise KeyError(f"offset {rel} is not in the in-memory copy")
 
     def _read_all(self, pages: str) -> None:
         """Read the tensor-data section into a native buffer that ends up in transparent huge
@@ -200,10 +279,14 @@ class Weights:
         other threads' work (2 cores, a 4 GiB fill of memory the host had taken back: 6.8 s with
         2 threads, 5.8 with 4, 4.2-4.5 with 8). The matmul weights (``_eager_pack``) are packed
         slab by slab right after each slab is read, while the bytes are still in cache and off
-        the start-up path (``native.read_pack``; the caller builds the tokenizer meanwhile)."""
+        the start-up path (``native.read_pack``; the caller builds the tokenizer meanwhile).
+        Tensors left mapped (``_keep_mapped``) are not read: the buffer holds the other runs of
+        the section back to back (``_Packing.segments``)."""
         try:
-            lo, hi = int(self.reader.data_offset), int(self.reader.file_size)
-            total = max(hi - lo, 1)
+            lo = int(self.reader.data_offset)
+            segs = self._pack.segments
+            copied = sum(e - s for s, e, _ in segs)
+            total = max(copied, 1)
             if not hasattr(native.Buffer, "collapse"):  # an extension older than collapse()
                 pages = "fault" if pages == "collapse" else pages
                 buf = native.Buffer(total, huge_pages=pages == "fault")
@@ -211,16 +294,25 @@ class Weights:
                 buf = native.Buffer(total, huge_pages=pages != "small", advise=pages == "fault")
             host = np.frombuffer(buf, dtype=np.uint8)
             packs, eager = self._eager_pack()  # [(start, end, chunk bytes, dtype, n_cols)] by start, names
-            cuts = _read_cuts(hi - lo, packs)
+            # in copy offsets (a packed tensor lies inside one run of copied bytes)
+            packs = [(self._copy_offset(s), self._copy_offset(s) + e - s, *rest) for s, e, *rest in packs]
+            cuts = _read_cuts(copied, packs)
             errors: list[BaseException] = []
             fd = os.open(self.reader.path, os.O_RDONLY)
             try:
                 def part(a: int, b: int) -> None:
-                    # one native call per part, without the GIL: a Python loop over the slabs took
-                    # the GIL back between them from the main thread building the tokenizer (a
-                    # 95 MB file loaded in 0.12-0.25 s alone, 2.3-2.7 s beside a busy Python thread)
+                    # one native call per part and run of copied bytes, without the GIL: a Python
+                    # loop over the slabs took the GIL back between them from the main thread
+                    # building the tokenizer (a 95 MB file loaded in 0.12-0.25 s alone, 2.3-2.7 s
+                    # beside a busy Python thread)
                     try:
-                        native.read_pack(fd, host, a, b, lo, packs, _STOP_FLAG)
+                        for s, e, at in segs:
+                            end = at + e - s
+                            x, y = max(a, at), min(b, end)
+                            if x >= y:
+                                continue
+                            sub = [(ps - at, pe - at, *rest) for ps, pe, *rest in packs if at <= ps and pe <= end]
+                            native.read_pack(fd, host[at:end], x - at, y - at, lo + s, sub, _STOP_FLAG)
                     except ValueError as e:
                         errors.append(ValueError(f"{self.reader.path}: {e}"))
                     except BaseException as e:
@@ -267,7 +359,7 @@ class Weights:
         base = int(self.reader.data_offset)
         for name, info in self.info.items():
             stem = name.rsplit(".", 1)[0] if name.endswith(".weight") else ""
-            if stem.split(".")[-1] not in _MATMUL_NAMES or not self._packable(name):
+            if stem.split(".")[-1] not in _MATMUL_NAMES or name in self._pack.mapped or not self._packable(name):
                 continue
             shape = self.shape(name)
             rows = int(np.prod(shape[:-1]))
@@ -355,9 +447,9 @@ class Weights:
                 return self._raw(name), True
             shape = self.shape(name)
             dt = self.dtype(name)
-            if name not in pk.row_major and self._packable(name):
+            if name not in pk.row_major and name not in pk.mapped and self._packable(name):
                 arr = self._raw(name)
-                o = int(self.info[name].offset) - int(self.reader.data_offset)
+                o = self._copy_offset(int(self.info[name].offset) - int(self.reader.data_offset))
                 native.pack_x16(dt, self._host[o: o + arr.size], int(np.prod(shape[:-1])), int(shape[-1]))
                 pk.packed.add(name)
                 return arr, True
@@ -369,9 +461,9 @@ class Weights:
         arr = self._bytes.get(name)
         if arr is None:
             self._wait_loaded()
-            if self._host is not None:
+            if self._host is not None and name not in self._pack.mapped:
                 info = self.info[name]
-                o = int(info.offset) - int(self.reader.data_offset)
+                o = self._copy_offset(int(info.offset) - int(self.reader.data_offset))
                 arr = self._host[o: o + int(info.nbytes)]
                 arr.flags.writeable = False
             else:

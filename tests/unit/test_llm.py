@@ -241,12 +241,14 @@ def test_weights_are_mapped_when_memory_is_short(smollm2_path, monkeypatch):
 def test_truncated_tensor_data_is_a_clear_error(smollm2_path):
     """A tensor-data section that ends early (the file shrank after it was opened) is a clear
     error at the first weight access, not a short buffer."""
-    from pyfast.models.base import Weights
+    from pyfast.models.base import Weights, _Packing, _segments
     from pyfast.gguf import GGUFReader
     r = GGUFReader(smollm2_path)
     w = Weights(r, in_memory=False)
     w.reader = type("R", (), {"data_offset": r.data_offset, "file_size": r.file_size + 4096, "path": r.path,
                                "tensors": r.tensors})()
+    w._pack = _Packing()  # what an in-memory Weights sets up before its loader runs
+    w._pack.segments = _segments(r.file_size + 4096 - r.data_offset, [])
     w._read_all("collapse")  # the file is 4 KiB shorter than the section it is told to read
     with pytest.raises(ValueError, match="file ended at byte"):
         w._wait_loaded()

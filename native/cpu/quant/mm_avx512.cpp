@@ -78,6 +78,7 @@ struct QCtx {
   const uint8_t* pf;        // what is prefetched while this chunk runs (see qgemm_t)
   int64_t pf_step;          // bytes of it to prefetch per block
   const uint8_t* pk;        // packed weights (quant.h): the chunk
+  int64_t rows_stride = 0;  // row-major: the bytes between rows when all 16 are distinct rows (else 0)
 };
 
 // 16 bytes at byte offset `off` of each of 4 rows, one row per 128-bit lane.
@@ -846,6 +847,133 @@ PF_AVX512 void xt_q6k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_
   _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
 }
 
+// Four vectors of four rows each (load4: 128-bit lane L of v[j] = row 4j + L) transposed per
+// 128-bit lane: dword j of lane L of v[k] becomes dword k of row 4j + L. Afterwards lane p = 4L + j
+// of every v[k] holds row 4j + L (kRmPerm).
+PF_AVX512 PF_INLINE void tr4x4(__m512i* v) {
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  v[0] = _mm512_unpacklo_epi64(t0, t2);
+  v[1] = _mm512_unpackhi_epi64(t0, t2);
+  v[2] = _mm512_unpacklo_epi64(t1, t3);
+  v[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// Lane p of a tr4x4 result holds row kRmPerm[p] (its own inverse).
+alignas(64) constexpr int32_t kRmPerm[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// The 16 rows' 16 bytes at `off` (rows s bytes apart from g, s3 = 3 s): v[k] lane p = dword k of
+// row kRmPerm[p].
+PF_AVX512 PF_INLINE void ld16x4s(const uint8_t* g, int64_t s, int64_t s3, int64_t off, __m512i* v) {
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t* q = g + 4 * j * s + off;
+    __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)q));
+    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(q + s)), 1);
+    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(q + 2 * s)), 2);
+    v[j] = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(q + s3)), 3);
+  }
+  tr4x4(v);
+}
+
+// Sums of four dwords: lane L (128-bit) of the result holds, for the four rows of p[0..3], the
+// sum of the four dwords of p[i]'s lane L (as dword i).
+PF_AVX512 PF_INLINE __m512i sum4x4(const __m512i* p) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+// 128-bit lanes transposed across four vectors: v[k] lane g = u[g] lane k.
+PF_AVX512 PF_INLINE void tr_lanes(const __m512i* u, __m512i* v) {
+  const __m512i a = _mm512_shuffle_i32x4(u[0], u[1], 0x44), b = _mm512_shuffle_i32x4(u[0], u[1], 0xEE);
+  const __m512i c = _mm512_shuffle_i32x4(u[2], u[3], 0x44), d = _mm512_shuffle_i32x4(u[2], u[3], 0xEE);
+  v[0] = _mm512_shuffle_i32x4(a, c, 0x88);
+  v[1] = _mm512_shuffle_i32x4(a, c, 0xDD);
+  v[2] = _mm512_shuffle_i32x4(b, d, 0x88);
+  v[3] = _mm512_shuffle_i32x4(b, d, 0xDD);
+}
+
+// xt_q6k_row for row-major weights (a mapped file), 16 rows evenly spaced (`stride` bytes). Row by
+// row, a half super-block's 128 codes are two vectors in element order (ql's 64 bytes, low and
+// high nibbles, with qh's 32 bytes broadcast to both halves and shifted per half), each multiplied
+// against 64 contiguous activation bytes by one vpdpbusd: lane k (128-bit) then holds the four
+// partial sums of 16-sub-block k. Summing those fours and turning rows into lanes (sum4x4,
+// tr_lanes) gives each block's two 16-row vectors of sub-block sums, and from there the float
+// stage is xt_q6k_row's (same integer sums, bit-identical results). The rows are 16 streams: the
+// chunk after next (c.pf) is prefetched into L2 at the pace this one is read, and each row three
+// super-blocks ahead into L1. bench_matmul --cold, Zen 5, against the packed kernel: 1 thread
+// 0.74x (2048 x 512) to 0.8-0.9x (8192 x 2048, 14336 x 4096), 2 threads 0.8-1.0x; the gathered
+// 16 x 16 tiles it replaces read 5.7 GB/s per thread, and a variant loading four rows' 16 bytes
+// per vector and transposing dwords (as the packed layout has them) ran 10-15% slower from L2.
+PF_AVX512 void xt_q6k_row_rm(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0,
+                             int nv, int64_t stride) {
+  const int64_t nb = c0.nb;
+  const int8_t* xq = a.q + m * a.K;
+  const size_t mo = a.meta(m, 0);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  // qh's bits for elements 0..31 / 32..63 of a half (bits 0-1 / 2-3) to bits 4-5: << 4 / << 2;
+  // for 64..95 / 96..127 (bits 4-5 / 6-7): >> 0 / >> 2
+  const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i perm = _mm512_load_si512(kRmPerm);
+  const char* pf = (const char*)c0.pf;
+  const bool prefetch = c0.pf_step != 0;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t B = 0; B < nb / 8; ++B) {
+    const uint8_t* g = c0.rows[0] + B * 210;
+    const __m512 d = ldh<DType::Q6_K, false>(c0, B, 208);
+    __m512i sc[4];
+    ld16x4s(g, stride, 3 * stride, 192, sc);  // scales[4k .. 4k+3], lanes in kRmPerm's order
+    for (int k = 0; k < 4; ++k) sc[k] = _mm512_permutexvar_epi32(perm, sc[k]);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t b0 = B * 8 + 4 * h;
+      const int8_t* x = xq + b0 * QK;
+      const __m512i x0 = _mm512_loadu_si512(x), x1 = _mm512_loadu_si512(x + 64);
+      if (prefetch) {
+        const char* p = pf + (B * 16 + 8 * h) * 210;
+        for (int u = 0; u < 8 * 210; u += 64) _mm_prefetch(p + u, _MM_HINT_T1);
+      }
+      __m512i u0[4], u1[4];  // row group j: lane k = sub-block k (u0) / 4 + k (u1) of rows 4j .. 4j+3
+      for (int j = 0; j < 4; ++j) {
+        __m512i p0[4], p1[4];
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t* w = g + (4 * j + i) * stride;
+          // into L1, three super-blocks ahead in this row (the L1 prefetcher does not follow 16
+          // streams; 2-4 ahead within 5%): 1.1-1.3x at 1 thread, bench_matmul --cold 14336 x 4096
+          _mm_prefetch((const char*)w + 3 * 210 + 105 * h, _MM_HINT_T0);
+          _mm_prefetch((const char*)w + 3 * 210 + 105 * h + 64, _MM_HINT_T0);
+          const __m512i ql = _mm512_loadu_si512(w + 64 * h);
+          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w + 128 + 32 * h)));
+          const __m512i c0v = _mm512_ternarylogic_epi32(_mm512_and_si512(ql, m4), _mm512_sllv_epi64(qh, shl), m30, 0xF8);
+          const __m512i c1v = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                                        _mm512_srlv_epi64(qh, shr), m30, 0xF8);
+          p0[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0v, x0);
+          p1[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1v, x1);
+        }
+        u0[j] = sum4x4(p0);
+        u1[j] = sum4x4(p1);
+      }
+      __m512i v[8];  // v[s]: 16-sub-block s of the half, lane r = row r
+      tr_lanes(u0, v);
+      tr_lanes(u1, v + 4);
+      for (int jj = 0; jj < 4; ++jj) {
+        const size_t mi = mo + (size_t)(b0 + jj) * 4;
+        const __m512i zl = _mm512_add_epi32(v[2 * jj], _mm512_set1_epi32(xb.o0[mi - xb.obase]));
+        const __m512i zh = _mm512_add_epi32(v[2 * jj + 1], _mm512_set1_epi32(xb.o1[mi - xb.obase]));
+        // block 4h + jj: its two 16-scales are bytes 2 (jj % 2) and 2 (jj % 2) + 1 of sc[2h + jj / 2]
+        const __m512i gs = sc[2 * h + (jj >> 1)];
+        const int t = jj & 1;
+        const __m512 sl = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(gs, 24 - 16 * t), 24));
+        const __m512 sh = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(gs, 16 - 16 * t), 24));
+        const __m512 dxw = _mm512_mul_ps(_mm512_set1_ps(a.d[mi]), d);
+        const __m512 rr = _mm512_fmadd_ps(sl, _mm512_cvtepi32_ps(zl), _mm512_mul_ps(sh, _mm512_cvtepi32_ps(zh)));
+        acc = _mm512_fmadd_ps(dxw, rr, acc);
+      }
+    }
+  }
+  const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
+  _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
+}
+
 // Q4_K, one activation row: a block pair shares its 32 code bytes (low / high nibbles). The
 // high nibbles go into vpdpbusd in place (16 x the code), and the odd block's scale is taken / 16
 // to match: exact (|16 z| < 2^24, and the scaling by 16 changes no rounding), so the sums and the
@@ -1061,7 +1189,11 @@ PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
   switch (rm) {
 #define PF_XT_CASE(R) \
   case R: \
-    if constexpr (WT == DType::Q6_K && MODE == kDecode && R == 1) xt_q6k_row<PK>(c, xb, a, m, yv, n0, nv); \
+    if constexpr (WT == DType::Q6_K && MODE == kDecode && R == 1) { \
+      if constexpr (PK) xt_q6k_row<true>(c, xb, a, m, yv, n0, nv); \
+      else if (c.rows_stride > 0) xt_q6k_row_rm(c, xb, a, m, yv, n0, nv, c.rows_stride); \
+      else xt_q6k_row<false>(c, xb, a, m, yv, n0, nv); \
+    } \
     else if constexpr (WT == DType::Q4_K && MODE == kDecode && R == 1) xt_q4k_row<PK>(c, xb, a, m, yv, n0, nv); \
     else if constexpr (WT == DType::Q5_K && MODE == kDecode && R == 1) xt_q5k_row<PK>(c, xb, a, m, yv, n0, nv); \
     else if constexpr ((WT == DType::Q4_0 || WT == DType::Q4_1 || WT == DType::Q8_0) && MODE == kPacked && R == 1) \
@@ -1191,6 +1323,7 @@ PF_AVX512 void qgemm_t(const QJob& j) {
   c.nb = j.a.nb;
   c.K = j.a.K;
   c.bs = wblock_bytes(WT);
+  c.rows_stride = nv == 16 ? j.w_stride : 0;
   const int64_t tab = c.nb * 16 + 16;  // one [nb][16] table (+ padding)
   float* dwc = j.scratch;
   float* mwc = j.scratch + tab;
@@ -1201,8 +1334,11 @@ PF_AVX512 void qgemm_t(const QJob& j) {
   c.slo = slo;
   c.shi = shi;
   c.pf = j.w + (j.n0 + 32) * j.w_stride;
-  // Software prefetch only helps short rows (the hardware prefetchers follow long streams).
-  c.pf_step = j.w_stride <= 2048 ? ((16 * j.w_stride + c.nb - 1) / c.nb + 63) & ~(int64_t)63 : 0;
+  // The chunk after next is prefetched at the pace this one is read, whatever the row length: the
+  // 16 rows are 16 streams the hardware prefetchers do not keep up with. Rows over 2 KiB, 14336 x
+  // 4096, bench_matmul --cold, Zen 5, 1 / 2 threads: avx512 Q4_0 1.6x / 1.1x, Q8_0 1.4x / 1.2x,
+  // Q4_K and Q5_K 2.9x / 2.3x; avx2 Q4_0 1.3x, Q4_K 4.0x / 3.7x, Q6_K 2.9x / 2.7x.
+  c.pf_step = ((16 * j.w_stride + c.nb - 1) / c.nb + 63) & ~(int64_t)63;
   // Block scales of the 16 rows, [b][row] (one gather of the d (and m) fields per block); a
   // single activation row reads them inside the kernel instead (32-block types).
   const int64_t span = (int64_t)(c.rows[15] - c.rows[0]);
@@ -1215,7 +1351,7 @@ PF_AVX512 void qgemm_t(const QJob& j) {
     c.offs_hi = _mm512_extracti64x4_epi64(c.offs, 1);
   }
   // Two rows of Q5_K are cheaper in the tiles below (its transposed decode costs more).
-  if (c.gather_ok && j.m1 - j.m0 >= (WT == DType::Q5_K ? 3 : 2)) {
+  if (c.gather_ok && (j.m1 - j.m0 >= (WT == DType::Q5_K ? 3 : 2) || (WT == DType::Q6_K && c.rows_stride > 0))) {
     qgemm_xt<WT>(j, c, nv);
     return;
   }

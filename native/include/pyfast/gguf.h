@@ -146,8 +146,9 @@ class GGUFFile {
 
   // Maps the tensor data into this process's page tables on a background thread (what the first
   // decode would otherwise do one page fault at a time), so it overlaps the caller's other
-  // start-up work. Idempotent; the destructor stops and joins the thread.
-  void prefetch() const;
+  // start-up work. Idempotent; the destructor stops and joins the thread. `ranges` (absolute file
+  // offset, bytes): only these (clamped to the file); empty: the whole tensor data section.
+  void prefetch(std::vector<std::pair<uint64_t, uint64_t>> ranges = {}) const;
 
  private:
   void parse();
