@@ -779,8 +779,7 @@ PF_AVX512 PF_INLINE void prefetch_blocks(const QCtx& c, int64_t b0, int64_t afte
 // its codes and each block's pair shifted out where the float stage needs it. Filling a 2 KiB
 // table per super-block on the stack (fill_ktables_sb) and reading it back instead cost 5-7% of
 // the rate from cache, and 0-11% from DRAM, at 1 and 2 threads (bench_matmul, the two kernels
-// alternating per batch in one process).
-template <bool PK>
+// alternating per batch in one process). Packed weights only (row-major: xt_q6k_row_rm).
 PF_AVX512 void xt_q6k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0, int nv) {
   QCtx c = c0;  // c.pk carries the pacing zero
   const int64_t nb = c.nb;
@@ -789,10 +788,10 @@ PF_AVX512 void xt_q6k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t B = 0; B < nb / 8; ++B) {
-    const __m512 d = ldh<DType::Q6_K, PK>(c, B, 208);
+    const __m512 d = ldh<DType::Q6_K, true>(c, B, 208);
     for (int h = 0; h < 2; ++h) {
       const int64_t b0 = B * 8 + 4 * h;
-      const __m512i gs[2] = {ldf<DType::Q6_K, PK, 192>(c, B, 8 * h), ldf<DType::Q6_K, PK, 192>(c, B, 8 * h + 4)};
+      const __m512i gs[2] = {ldf<DType::Q6_K, true, 192>(c, B, 8 * h), ldf<DType::Q6_K, true, 192>(c, B, 8 * h + 4)};
       __m512i z[4][2];
       for (int jj = 0; jj < 4; ++jj) {
         const size_t mi = mo + (size_t)(b0 + jj) * 4 - xb.obase;
@@ -802,21 +801,12 @@ PF_AVX512 void xt_q6k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_
       const int8_t* x = xq + b0 * QK;
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
-        __m512i qa, qb, qh;
-        if constexpr (PK) {
-          // step g of half h: the 16 rows' ql dwords (blocks 0 / 1 in the low nibbles, 2 / 3 in
-          // the high ones) and qh dwords, side by side as ldf reads them; addressed directly, as
-          // ldf's general arithmetic on 64 h + 4 g (h a loop variable) cost five scalar ops per
-          // load (bench_matmul, 1 thread: 1.01-1.06x from cache, 1.04-1.05x from DRAM)
-          const uint8_t* q = c.pk + B * 16 * kPackFmt(DType::Q6_K).bs + kQ6Head + h * kQ6Half + g * kQ6Step;
-          qa = _mm512_loadu_si512(q);
-          qb = _mm512_loadu_si512(q + 64);
-          qh = _mm512_loadu_si512(q + 128);
-        } else {
-          qa = ldf<DType::Q6_K, PK, 0>(c, B, 64 * h + 4 * g);
-          qb = ldf<DType::Q6_K, PK, 0>(c, B, 64 * h + 32 + 4 * g);
-          qh = ldf<DType::Q6_K, PK, 128>(c, B, 32 * h + 4 * g);
-        }
+        // step g of half h: the 16 rows' ql dwords (blocks 0 / 1 in the low nibbles, 2 / 3 in the
+        // high ones) and qh dwords, side by side as ldf reads them; addressed directly, as ldf's
+        // general arithmetic on 64 h + 4 g (h a loop variable) cost five scalar ops per load
+        // (bench_matmul, 1 thread: 1.01-1.06x from cache, 1.04-1.05x from DRAM)
+        const uint8_t* q = c.pk + B * 16 * kPackFmt(DType::Q6_K).bs + kQ6Head + h * kQ6Half + g * kQ6Step;
+        const __m512i qa = _mm512_loadu_si512(q), qb = _mm512_loadu_si512(q + 64), qh = _mm512_loadu_si512(q + 128);
         const int64_t after = zero_after(qh);
         prefetch_ahead(c0, (B * 16 + 8 * h + g) * kSuperBytes<DType::Q6_K>, kSuperBytes<DType::Q6_K>, after);
         const __m512i w0 = _mm512_ternarylogic_epi32(_mm512_and_si512(qa, m4), _mm512_slli_epi32(qh, 4), m30, 0xF8);
@@ -847,34 +837,6 @@ PF_AVX512 void xt_q6k_row(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_
   _mm512_mask_storeu_ps(reinterpret_cast<float*>(yv.row(m)) + n0, mk, acc);
 }
 
-// Four vectors of four rows each (load4: 128-bit lane L of v[j] = row 4j + L) transposed per
-// 128-bit lane: dword j of lane L of v[k] becomes dword k of row 4j + L. Afterwards lane p = 4L + j
-// of every v[k] holds row 4j + L (kRmPerm).
-PF_AVX512 PF_INLINE void tr4x4(__m512i* v) {
-  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
-  v[0] = _mm512_unpacklo_epi64(t0, t2);
-  v[1] = _mm512_unpackhi_epi64(t0, t2);
-  v[2] = _mm512_unpacklo_epi64(t1, t3);
-  v[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
-// Lane p of a tr4x4 result holds row kRmPerm[p] (its own inverse).
-alignas(64) constexpr int32_t kRmPerm[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-// The 16 rows' 16 bytes at `off` (rows s bytes apart from g, s3 = 3 s): v[k] lane p = dword k of
-// row kRmPerm[p].
-PF_AVX512 PF_INLINE void ld16x4s(const uint8_t* g, int64_t s, int64_t s3, int64_t off, __m512i* v) {
-  for (int j = 0; j < 4; ++j) {
-    const uint8_t* q = g + 4 * j * s + off;
-    __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)q));
-    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(q + s)), 1);
-    a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(q + 2 * s)), 2);
-    v[j] = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(q + s3)), 3);
-  }
-  tr4x4(v);
-}
-
 // Sums of four dwords: lane L (128-bit) of the result holds, for the four rows of p[0..3], the
 // sum of the four dwords of p[i]'s lane L (as dword i).
 PF_AVX512 PF_INLINE __m512i sum4x4(const __m512i* p) {
@@ -893,45 +855,40 @@ PF_AVX512 PF_INLINE void tr_lanes(const __m512i* u, __m512i* v) {
   v[3] = _mm512_shuffle_i32x4(b, d, 0xDD);
 }
 
-// xt_q6k_row for row-major weights (a mapped file), 16 rows evenly spaced (`stride` bytes). Row by
+// xt_q6k_row for row-major weights (a mapped file), 16 rows c.rows_stride bytes apart. Row by
 // row, a half super-block's 128 codes are two vectors in element order (ql's 64 bytes, low and
 // high nibbles, with qh's 32 bytes broadcast to both halves and shifted per half), each multiplied
 // against 64 contiguous activation bytes by one vpdpbusd: lane k (128-bit) then holds the four
 // partial sums of 16-sub-block k. Summing those fours and turning rows into lanes (sum4x4,
 // tr_lanes) gives each block's two 16-row vectors of sub-block sums, and from there the float
-// stage is xt_q6k_row's (same integer sums, bit-identical results). The rows are 16 streams: the
+// stage is xt_q6k_row's (same integer sums, bit-identical results); d and the scales are gathered
+// once per super-block (as fast as loading them with the codes). The rows are 16 streams: the
 // chunk after next (c.pf) is prefetched into L2 at the pace this one is read, and each row three
 // super-blocks ahead into L1. bench_matmul --cold, Zen 5, against the packed kernel: 1 thread
 // 0.74x (2048 x 512) to 0.8-0.9x (8192 x 2048, 14336 x 4096), 2 threads 0.8-1.0x; the gathered
 // 16 x 16 tiles it replaces read 5.7 GB/s per thread, and a variant loading four rows' 16 bytes
-// per vector and transposing dwords (as the packed layout has them) ran 10-15% slower from L2.
+// per vector and transposing dwords (as the packed layout has them) ran 5-15% slower from L2.
 PF_AVX512 void xt_q6k_row_rm(const QCtx& c0, const XtBuf& xb, const ActQ& a, int64_t m, const RowView& yv, int64_t n0,
-                             int nv, int64_t stride) {
-  const int64_t nb = c0.nb;
+                             int nv) {
+  const int64_t nb = c0.nb, stride = c0.rows_stride;
   const int8_t* xq = a.q + m * a.K;
   const size_t mo = a.meta(m, 0);
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   // qh's bits for elements 0..31 / 32..63 of a half (bits 0-1 / 2-3) to bits 4-5: << 4 / << 2;
   // for 64..95 / 96..127 (bits 4-5 / 6-7): >> 0 / >> 2
   const __m512i shl = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), shr = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-  const __m512i perm = _mm512_load_si512(kRmPerm);
   const char* pf = (const char*)c0.pf;
-  const bool prefetch = c0.pf_step != 0;
   __m512 acc = _mm512_setzero_ps();
   for (int64_t B = 0; B < nb / 8; ++B) {
     const uint8_t* g = c0.rows[0] + B * 210;
     const __m512 d = ldh<DType::Q6_K, false>(c0, B, 208);
-    __m512i sc[4];
-    ld16x4s(g, stride, 3 * stride, 192, sc);  // scales[4k .. 4k+3], lanes in kRmPerm's order
-    for (int k = 0; k < 4; ++k) sc[k] = _mm512_permutexvar_epi32(perm, sc[k]);
+    __m512i sc[4];  // scales[4k .. 4k+3] of the 16 rows
+    for (int k = 0; k < 4; ++k) sc[k] = ldf<DType::Q6_K, false, 192>(c0, B, 4 * k);
     for (int h = 0; h < 2; ++h) {
       const int64_t b0 = B * 8 + 4 * h;
       const int8_t* x = xq + b0 * QK;
       const __m512i x0 = _mm512_loadu_si512(x), x1 = _mm512_loadu_si512(x + 64);
-      if (prefetch) {
-        const char* p = pf + (B * 16 + 8 * h) * 210;
-        for (int u = 0; u < 8 * 210; u += 64) _mm_prefetch(p + u, _MM_HINT_T1);
-      }
+      for (int u = 0; u < 8 * 210; u += 64) _mm_prefetch(pf + (B * 16 + 8 * h) * 210 + u, _MM_HINT_T1);
       __m512i u0[4], u1[4];  // row group j: lane k = sub-block k (u0) / 4 + k (u1) of rows 4j .. 4j+3
       for (int j = 0; j < 4; ++j) {
         __m512i p0[4], p1[4];
@@ -1190,9 +1147,8 @@ PF_AVX512 void xt_rows(const QCtx& c, const XtBuf& xb, const ActQ& a, int64_t m,
 #define PF_XT_CASE(R) \
   case R: \
     if constexpr (WT == DType::Q6_K && MODE == kDecode && R == 1) { \
-      if constexpr (PK) xt_q6k_row<true>(c, xb, a, m, yv, n0, nv); \
-      else if (c.rows_stride > 0) xt_q6k_row_rm(c, xb, a, m, yv, n0, nv, c.rows_stride); \
-      else xt_q6k_row<false>(c, xb, a, m, yv, n0, nv); \
+      if constexpr (PK) xt_q6k_row(c, xb, a, m, yv, n0, nv); \
+      else xt_q6k_row_rm(c, xb, a, m, yv, n0, nv); /* qgemm_t sends only evenly spaced rows */ \
     } \
     else if constexpr (WT == DType::Q4_K && MODE == kDecode && R == 1) xt_q4k_row<PK>(c, xb, a, m, yv, n0, nv); \
     else if constexpr (WT == DType::Q5_K && MODE == kDecode && R == 1) xt_q5k_row<PK>(c, xb, a, m, yv, n0, nv); \
