@@ -240,7 +240,7 @@ class Weights:
         (``xt_q6k_row_rm``) reads them 0.75-0.9x as fast as the packed copy at 1 thread (8B Q4_K_M
         decode: 0.86-0.95x at 1 thread, unchanged at 2), while not copying them took an 8B
         file's first token from 1.2-1.7x llama.cpp's time to 0.4-0.6x on this VM, whose fresh
-        memory is slow; on a 1B Q4_K_M file (117 MB of Q6_K) decode lost 3-6% for a start-up
+        memory is slow; on a 1B Q4_K_M file (117 MB of Q6_K) decode lost up to 9% for a start-up
         saving of tens of milliseconds, so small files and files mostly of Q6_K are copied and
         packed. Nothing is left mapped where weights are not packed (other ISAs read every weight
         row-major from the copy)."""

@@ -769,8 +769,8 @@ PF_AVX2 void qgemm_t(const QJob& j, bool vnni) {
   c.pf = j.w + (j.n0 + 32) * j.w_stride;
   // The chunk after next is prefetched at the pace this one is read, whatever the row length: the
   // 16 rows are 16 streams the hardware prefetchers do not keep up with. Rows over 2 KiB, 14336 x
-  // 4096, bench_matmul --cold, Zen 5, 1 / 2 threads: avx512 Q4_0 1.6x / 1.1x, Q8_0 1.4x / 1.2x,
-  // Q4_K and Q5_K 2.9x / 2.3x; avx2 Q4_0 1.3x, Q4_K 4.0x / 3.7x, Q6_K 2.9x / 2.7x.
+  // 4096, bench_matmul --cold, Zen 5, 1 / 2 threads: avx512 Q4_0 1.6x / 1.1x, Q8_0 1.4x / 1.15x,
+  // Q4_K and Q5_K 2.9-3.0x / 2.3-2.4x; avx2 Q4_0 1.3x, Q4_K 4.0x / 3.7x, Q6_K 2.9x / 2.7x.
   c.pf_step = ((16 * j.w_stride + c.nb - 1) / c.nb + 63) & ~(int64_t)63;
   const int64_t span = (int64_t)(c.rows[15] - c.rows[0]);
   const bool gather_ok = span <= INT32_MAX && span >= INT32_MIN;

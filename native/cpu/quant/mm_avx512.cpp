@@ -1292,8 +1292,8 @@ PF_AVX512 void qgemm_t(const QJob& j) {
   c.pf = j.w + (j.n0 + 32) * j.w_stride;
   // The chunk after next is prefetched at the pace this one is read, whatever the row length: the
   // 16 rows are 16 streams the hardware prefetchers do not keep up with. Rows over 2 KiB, 14336 x
-  // 4096, bench_matmul --cold, Zen 5, 1 / 2 threads: avx512 Q4_0 1.6x / 1.1x, Q8_0 1.4x / 1.2x,
-  // Q4_K and Q5_K 2.9x / 2.3x; avx2 Q4_0 1.3x, Q4_K 4.0x / 3.7x, Q6_K 2.9x / 2.7x.
+  // 4096, bench_matmul --cold, Zen 5, 1 / 2 threads: avx512 Q4_0 1.6x / 1.1x, Q8_0 1.4x / 1.15x,
+  // Q4_K and Q5_K 2.9-3.0x / 2.3-2.4x; avx2 Q4_0 1.3x, Q4_K 4.0x / 3.7x, Q6_K 2.9x / 2.7x.
   c.pf_step = ((16 * j.w_stride + c.nb - 1) / c.nb + 63) & ~(int64_t)63;
   // Block scales of the 16 rows, [b][row] (one gather of the d (and m) fields per block); a
   // single activation row reads them inside the kernel instead (32-block types).
